@@ -1,0 +1,54 @@
+# dpkit: `make finetune` and `make test` set themselves up on first use.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+NPROC ?= 2
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.dpkit-installed
+
+.PHONY: setup finetune test test-fast lint format bench-zero plan gpu-check clean
+
+setup: $(STAMP)
+
+# The venv sees system site-packages so that a GPU box's own CUDA torch is used
+# as is. Without torch, a machine with no NVIDIA driver gets the CPU build:
+# first from a local wheel folder (pip's find-links), else from PyTorch's CPU
+# index; it never falls through to PyPI's multi-GB CUDA wheels.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	@if $(PY) -c "import torch" 2>/dev/null; then \
+		echo "setup: keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
+	elif command -v nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install "torch==$(TORCH_VERSION)"; \
+	else \
+		if $(PY) -m pip download -q --no-index --no-deps "torch==$(TORCH_VERSION)" -d $(VENV)/torch-wheel 2>/dev/null; then \
+			$(PY) -m pip install $(VENV)/torch-wheel/torch-*.whl; \
+		else \
+			$(PY) -m pip install "torch==$(TORCH_VERSION)" --extra-index-url https://download.pytorch.org/whl/cpu; \
+		fi; \
+	fi
+	$(PY) -m pip install -e ".[test]"
+	$(VENV)/bin/dpkit data fetch
+	touch $(STAMP)
+
+# The main job: fine-tune all-MiniLM-L6-v2 on Rotten Tomatoes, DDP on NPROC CPU processes (or GPUs).
+finetune: setup
+	$(VENV)/bin/accelerate launch --config_file ds_configs/accelerate/ddp.yaml --num_processes $(NPROC) \
+		recipes/finetune.py --output-dir runs/finetune --overwrite-output-dir
+
+test: setup lint
+	$(PY) -m pytest -ra --durations=15 tests
+
+test-fast: setup
+	$(PY) -m pytest -ra -m "not multiprocess" tests
+
+lint: setup
+	$(VENV)/bin/ruff check dpkit recipes tests
+	$(VENV)/bin/ruff format --check dpkit recipes tests
+
+format: setup
+	$(VENV)/bin/ruff format dpkit recipes tests
+	$(VENV)/bin/ruff check --fix dpkit recipes tests
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

