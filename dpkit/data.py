@@ -135,7 +135,14 @@ def load_classification_splits(
         if not Path(dataset).is_file():
             raise UsageError(f"--dataset={dataset!r}: no such file")
         kind = "csv" if dataset.endswith(".csv") else "json"
-        raw = datasets.load_dataset(kind, data_files=dataset)
+        if Path(dataset).stat().st_size == 0:
+            raise UsageError(f"--dataset={dataset!r}: the file is empty")
+        try:
+            raw = datasets.load_dataset(kind, data_files=dataset)
+        except Exception as err:  # datasets' parsers raise many types; the message says why
+            raise UsageError(
+                f"--dataset={dataset!r}: cannot read it as {kind} ({type(err).__name__}: {err})"
+            ) from None
         label_names = None
     else:
         try:
@@ -175,7 +182,8 @@ def load_classification_splits(
         else:
             label_names = [str(v) for v in values]
             index = {v: i for i, v in enumerate(values)}
-            raw = raw.map(lambda ex: {"label": index[ex["label"]]})
+            raw = raw.map(lambda ex: {"label_id": index[ex["label"]]}, remove_columns=["label"])
+            raw = raw.rename_column("label_id", "label")
     if len(label_names) < 2:
         raise UsageError(f"--dataset={dataset!r}: needs at least 2 classes, found {label_names}")
 

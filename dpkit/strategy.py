@@ -467,8 +467,10 @@ def build_accelerator(
             learning_rate=learning_rate,
             weight_decay=weight_decay,
         )
-        # accelerate's env from `accelerate launch --use_deepspeed` would otherwise
-        # reach DeepSpeedPlugin; everything it needs is in the resolved dict.
+        # The launcher's settings (gradient accumulation, clipping, precision from an
+        # accelerate YAML) were read by resolve_strategy/resolve_precision and are in
+        # the resolved dict; accelerate would refuse them next to a config file.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds_config))
     else:
         # The grads become views into DDP's reduction buckets instead of a second

@@ -1,0 +1,313 @@
+"""Unit tests for dpkit.memory: the tensor walk, the probes, the report math, the settings.
+
+All in one process except the DeepSpeed/DDP checks, which need a process group and
+run in a subprocess (world size 1) so that pytest's own process stays clean.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dpkit import memory
+from dpkit.analytic import full_replication_bytes, model_state_bytes
+from dpkit.memory_report import MemoryReport, error_pct
+from dpkit.memory_walk import Ledger, straddling_params, walk
+
+REPO = Path(__file__).resolve().parents[1]
+CPU = SimpleNamespace(process_index=0, device=torch.device("cpu"))
+
+
+def _nbytes(params) -> float:
+    return float(sum(p.numel() * p.element_size() for p in params))
+
+
+class TiedModel(torch.nn.Module):
+    """An embedding whose weight is also the output projection's (as in GPT-2)."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.hidden = torch.nn.Linear(dim, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("positions", torch.arange(8))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.hidden(self.embed(ids))))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, zero_grad: bool) -> None:
+    ids = torch.randint(0, 50, (4, 8))
+    loss = model(ids).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    if zero_grad:
+        opt.zero_grad(set_to_none=True)
+
+
+def test_ledger_counts_a_shared_storage_once_by_its_size():
+    base = torch.zeros(100)
+    ledger = Ledger()
+    assert ledger.claim(base[:10], "params", "a")
+    assert not ledger.claim(base[50:], "grads", "b"), "a view of a counted storage is not new"
+    assert ledger.owner(base) == "params"
+    snap = ledger.snapshot()
+    assert snap["params"] == 400.0 and snap["grads"] == 0.0
+
+
+def test_tied_weights_counted_once_in_params_and_count_params():
+    model = TiedModel()
+    unique = {id(p): p for p in model.parameters()}.values()
+    snap = walk(model, None)
+    assert snap["params"] == _nbytes(unique)
+    assert memory.count_params(model) == sum(p.numel() for p in unique)
+    assert snap["holders"]["buffers"]["module_buffers"] == 8 * 8  # int64 positions
+
+
+def test_plain_module_with_adamw_after_a_step():
+    model = TiedModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_step(model, opt, zero_grad=False)
+    snap = walk(model, opt)
+    param_bytes = _nbytes(model.parameters())
+    assert snap["params"] == param_bytes
+    assert snap["grads"] == param_bytes
+    assert snap["master"] == 0.0
+    holders = snap["holders"]["optimizer"]
+    assert holders["exp_avg"] == holders["exp_avg_sq"] == param_bytes
+    # AdamW's `step` is one scalar tensor per parameter: counted, and tiny.
+    assert holders["step"] <= 8 * len(list(model.parameters()))
+
+
+def test_without_probes_released_gradients_are_not_seen_and_the_report_says_so():
+    model = TiedModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train_step(model, opt, zero_grad=True)
+    report = memory.collect_report(CPU, model, opt, strategy="ddp", precision="fp32")
+    assert report.ranks[0]["grads"] == 0.0
+    assert report.ranks[0]["measured_at"] == "now (no probes)"
+    assert any("no step probes" in note for note in report.notes)
+
+
+def test_probes_keep_the_gradient_high_water_and_count_activations():
+    model = TiedModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    probes = memory.track(model, opt)
+    assert memory.track(model, opt) is probes, "track is idempotent"
+    try:
+        _train_step(model, opt, zero_grad=True)
+        row = memory.measure_rank(CPU, model, opt)
+        param_bytes = _nbytes(model.parameters())
+        assert row["grads"] == param_bytes
+        assert row["high_water_points"]["grads"] == "optimizer_step_begin"
+        assert row["optimizer"] >= 2 * param_bytes
+        assert row["model_state_total"] == sum(row[c] for c in memory.MODEL_STATES)
+        assert set(row["phases"]) == {"optimizer_step_begin", "optimizer_step_end"}
+        assert row["activations"] > 0
+        before = probes.activations.high_water
+        with torch.no_grad():
+            model(torch.randint(0, 50, (64, 8)))  # saves nothing for backward
+        assert probes.activations.high_water == before
+    finally:
+        memory.untrack(opt)
+    assert not hasattr(opt, "_dpkit_memory_probes")
+
+
+def test_peak_is_a_named_process_figure_on_cpu_never_a_silent_zero():
+    memory.reset_peak(CPU)
+    peak = memory.peak_figures(torch.device("cpu"))
+    assert peak["headline"] == "rss_high_water"
+    assert peak["rss_high_water"] > 0
+    assert peak["rss_high_water_source"]
+    assert peak["rss_current"] is None or peak["rss_current"] > 0
+    assert "max_allocated" not in peak, "no CUDA figure on a CPU device"
+
+
+def _row(rank: int, **bytes_by_category: float) -> dict:
+    row = {"rank": rank, "buffers": {}, "buffers_total": 0.0, "holders": {}, "activations": None}
+    row.update({c: 0.0 for c in memory.MODEL_STATES})
+    row.update(bytes_by_category)
+    row["model_state_total"] = sum(row[c] for c in memory.MODEL_STATES)
+    row["peak"] = {"headline": "rss_high_water", "rss_high_water": 3e9}
+    return row
+
+
+def _zero2_report(extra_grad: float = 0.0) -> MemoryReport:
+    psi, n = 1_000_000, 2
+    rows = [
+        _row(r, params=4 * psi, grads=4 * psi / n, optimizer=8 * psi / n, master=4 * psi / n)
+        for r in range(n)
+    ]
+    rows[1]["grads"] += extra_grad
+    rows[1]["model_state_total"] += extra_grad
+    rows[1]["holders"] = {"grads": {"grads_in_partition (partition share)": 2e6, "param.grad": extra_grad}}
+    rows[1]["buffers"] = {"zero_ipg_bucket": 589_824.0}
+    rows[1]["buffers_total"] = 589_824.0
+    return MemoryReport(strategy="zero2", precision="fp32", world_size=n, num_params=psi, ranks=rows)
+
+
+def test_report_math_matches_the_analytic_core():
+    report = _zero2_report()
+    data = report.to_dict()
+    psi = 1_000_000
+    assert data["predicted"] == model_state_bytes(psi, "zero2", 2).as_dict()
+    assert data["full_replication"] == full_replication_bytes(psi).as_dict()
+    full = 16 * psi
+    measured = data["measured"]["model_state_total"]
+    assert measured == 4 * psi + 2 * psi + 4 * psi + 2 * psi
+    assert data["savings"]["measured"]["saved_bytes"] == full - measured
+    assert data["savings"]["measured"]["ratio"] == pytest.approx(measured / full)
+    assert data["savings"]["predicted"]["ratio"] == pytest.approx(0.75)
+    with_buffers = data["savings"]["measured_with_buffers"]
+    assert with_buffers["saved_bytes"] == full - measured - 589_824.0
+    assert all(abs(e) < 1e-9 for e in data["error_pct"].values())
+    assert [r["category"] for r in data["residuals"]] == ["buffers"]
+
+
+def test_a_category_above_prediction_is_named_with_its_holders():
+    report = _zero2_report(extra_grad=1e6)
+    grads = [r for r in report.residuals() if r["category"] == "grads"]
+    assert len(grads) == 1
+    assert grads[0]["rank"] == 1
+    assert grads[0]["excess_bytes"] == 1e6
+    assert list(grads[0]["held_by"]) == ["grads_in_partition (partition share)", "param.grad"]
+    assert report.error_pct()["grads"] == pytest.approx(error_pct(2e6, 3e6))
+    assert "above prediction: grads" in report.format_table()
+
+
+def test_error_pct_definition():
+    assert error_pct(110.0, 100.0) == pytest.approx(10.0)
+    assert error_pct(0.0, 0.0) == 0.0
+    assert error_pct(5.0, 0.0) is None
+
+
+def test_tracker_scalars_and_json_round_trip(tmp_path):
+    report = _zero2_report(extra_grad=1e6)
+    scalars = report.tracker_scalars()
+    assert scalars and all(k.startswith("memory/") for k in scalars)
+    assert all(isinstance(v, float) and math.isfinite(v) for v in scalars.values())
+    for key in ("memory/model_state_mib", "memory/saved_ratio_measured", "memory/error_pct/grads"):
+        assert key in scalars
+    path = tmp_path / "run" / "memory_report.json"
+    report.save(path)
+    data = json.loads(path.read_text())
+    assert MemoryReport.load(path).to_dict() == data == report.to_dict()
+
+
+def test_straddling_parameters_are_found_from_the_partition_layout():
+    module = torch.nn.Module()
+    module.big = torch.nn.Parameter(torch.zeros(70))
+    module.small = torch.nn.Parameter(torch.zeros(30))
+    # Rank 1 of 2 over a flat buffer [big(70) | small(30)]: partition [50, 100) holds
+    # 20 elements of `big` (starting at offset 50) and all of `small`.
+    zero = SimpleNamespace(
+        params_in_partition=[[module.big, module.small]],
+        partition_size=[50],
+        groups_padding=[0],
+        first_offset=[50],
+    )
+    extra, names = straddling_params(zero, module)
+    assert extra == 50  # 70 + 30 elements held for a 50-element partition
+    assert names == ["big"]
+
+
+# Single-process DDP and DeepSpeed: a process group of one, in a subprocess.
+_WORLD_OF_ONE = textwrap.dedent(
+    """
+    import json, os, sys, torch
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from dpkit import memory
+
+    strategy, bucket_view = sys.argv[1], sys.argv[2] == "1"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
+    handlers = [InitProcessGroupKwargs(backend="gloo")]
+    plugin = None
+    if strategy == "ddp":
+        handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=bucket_view))
+    else:
+        plugin = DeepSpeedPlugin(hf_ds_config={
+            "train_micro_batch_size_per_gpu": 4, "train_batch_size": 4,
+            "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
+            "zero_optimization": {"stage": int(strategy[-1]), "reduce_bucket_size": 4096},
+        })
+    acc = Accelerator(cpu=plugin is None, kwargs_handlers=handlers, deepspeed_plugin=plugin)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    memory.track(model, opt)
+    for _ in range(2):
+        loss = model(torch.randn(4, 64, device=acc.device)).pow(2).mean()
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+    report = memory.collect_report(acc, model, opt, strategy=strategy, precision="fp32")
+    print("REPORT" + json.dumps(report.to_dict()))
+    """
+)
+
+
+def _world_of_one(tmp_path: Path, strategy: str, bucket_view: bool = True) -> dict:
+    script = tmp_path / "world_of_one.py"
+    script.write_text(_WORLD_OF_ONE)
+    with __import__("socket").socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACCELERATE_")}
+    env.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    proc = subprocess.run(
+        [sys.executable, str(script), strategy, "1" if bucket_view else "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT"))
+    return json.loads(line[len("REPORT") :])
+
+
+PARAM_BYTES = 4.0 * (64 * 256 + 256 + 256 * 4 + 4)
+
+
+@pytest.mark.parametrize("bucket_view", [True, False])
+def test_ddp_world_of_one_buckets_are_the_grads_only_with_bucket_view(tmp_path, bucket_view):
+    data = _world_of_one(tmp_path, "ddp", bucket_view)
+    row = data["ranks"][0]
+    assert row["params"] == row["grads"] == PARAM_BYTES
+    assert row["settings"]["ddp.gradient_as_bucket_view"] is bucket_view
+    buckets = row["buffers"].get("ddp_buckets", 0.0)
+    # Without bucket views the reducer keeps a second full-size copy of the gradients.
+    assert buckets == (0.0 if bucket_view else PARAM_BYTES)
+    assert abs(data["error_pct"]["total"]) < 0.1
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_deepspeed_world_of_one_finds_zero_partitions(tmp_path, strategy):
+    data = _world_of_one(tmp_path, strategy)
+    row = data["ranks"][0]
+    # One rank: the partition is the whole model (plus alignment padding).
+    assert row["master"] == pytest.approx(PARAM_BYTES, rel=1e-3)
+    assert row["optimizer"] == pytest.approx(2 * PARAM_BYTES, rel=1e-3)
+    assert row["params"] == pytest.approx(PARAM_BYTES, rel=1e-3)
+    assert row["grads"] == pytest.approx(PARAM_BYTES, rel=1e-3)
+    assert "zero_fp32_partition" in row["holders"]["master"]
+    assert "zero_flat_params" in row["holders"]["params"]
+    assert row["buffers"]["zero_ipg_bucket"] == 4096 * 4
+    assert row["settings"]["zero.reduce_bucket_size"] == 4096
+    for category in ("params", "optimizer", "master"):
+        assert abs(data["error_pct"][category]) < 0.1

@@ -1,0 +1,184 @@
+"""Strategy resolution and DeepSpeed config filling: pure logic, no process group."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dpkit.errors import UsageError
+from dpkit.strategy import (
+    DS_CONFIG_DIR,
+    fill_deepspeed_config,
+    resolve_precision,
+    resolve_strategy,
+    scaled_learning_rate,
+)
+
+ZERO1 = str(DS_CONFIG_DIR / "zero1.json")
+ZERO2 = str(DS_CONFIG_DIR / "zero2.json")
+ACCELERATE_DS = {
+    "ACCELERATE_USE_DEEPSPEED": "true",
+    "ACCELERATE_DYNAMO_BACKEND": "NO",
+    "WORLD_SIZE": "2",
+}
+
+
+def _load(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _leaves(node, prefix=""):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip("."), node
+
+
+def test_zero_configs_differ_only_in_the_stage():
+    zero1 = dict(_leaves(_load(ZERO1)))
+    zero2 = dict(_leaves(_load(ZERO2)))
+    assert zero1.keys() == zero2.keys()
+    differing = {k for k in zero1 if zero1[k] != zero2[k]}
+    assert differing == {"zero_optimization.stage"}
+    assert (zero1["zero_optimization.stage"], zero2["zero_optimization.stage"]) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("flag", "deepspeed", "env", "expected"),
+    [
+        ("auto", None, {}, "ddp"),
+        ("ddp", None, {"WORLD_SIZE": "2"}, "ddp"),
+        ("zero1", None, {"WORLD_SIZE": "2"}, "zero1"),  # torchrun + flag
+        ("auto", ZERO2, {"WORLD_SIZE": "2"}, "zero2"),  # deepspeed launcher
+        ("zero2", ZERO2, {"WORLD_SIZE": "2"}, "zero2"),
+        ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO1}, "zero1"),
+        ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "zero2"),
+        ("auto", None, {"ACCELERATE_DYNAMO_BACKEND": "NO", "WORLD_SIZE": "2"}, "ddp"),
+    ],
+)
+def test_strategy_comes_from_flag_or_launcher(flag, deepspeed, env, expected):
+    choice = resolve_strategy(flag, deepspeed, env)
+    assert choice.name == expected
+    assert choice.expected_world_size == int(env.get("WORLD_SIZE", "1"))
+    assert (choice.ds_template is not None) == (expected != "ddp")
+
+
+@pytest.mark.parametrize(
+    ("flag", "deepspeed", "env", "message"),
+    [
+        (
+            "ddp",
+            None,
+            {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2},
+            "--strategy=ddp conflicts",
+        ),
+        ("zero1", ZERO2, {}, "--strategy=zero1 conflicts with --deepspeed"),
+        (
+            "zero2",
+            None,
+            {"ACCELERATE_DYNAMO_BACKEND": "NO", "WORLD_SIZE": "2"},
+            "without DeepSpeed",
+        ),
+        (
+            "auto",
+            ZERO1,
+            {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2},
+            "is ZeRO-1 but",
+        ),
+        ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "--zero_stage 3"),
+        ("auto", None, {"ACCELERATE_USE_FSDP": "true"}, "not FSDP"),
+        (
+            "auto",
+            None,
+            {"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "29500"},
+            "starts a single process",
+        ),
+    ],
+)
+def test_conflicts_are_one_line_errors(flag, deepspeed, env, message):
+    with pytest.raises(UsageError, match=message) as err:
+        resolve_strategy(flag, deepspeed, env)
+    assert "\n" not in str(err.value)
+
+
+def test_unsupported_stage_in_json(tmp_path):
+    path = tmp_path / "z3.json"
+    path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(UsageError, match=r"zero_optimization.stage=3"):
+        resolve_strategy("auto", str(path), {})
+
+
+def test_malformed_json(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(UsageError, match="not valid JSON"):
+        resolve_strategy("auto", str(path), {})
+
+
+def _fill(template, **overrides):
+    kwargs = dict(
+        micro_batch_size=8,
+        gradient_accumulation_steps=4,
+        world_size=2,
+        max_grad_norm=1.0,
+        precision="no",
+        hidden_size=384,
+        learning_rate=1e-4,
+        weight_decay=0.01,
+    )
+    kwargs.update(overrides)
+    return fill_deepspeed_config(template, **kwargs)
+
+
+@pytest.mark.parametrize("path", [ZERO1, ZERO2])
+@pytest.mark.parametrize(("micro", "accum", "world"), [(8, 4, 2), (1, 1, 1), (16, 2, 8)])
+def test_auto_values_filled_and_batch_identity_holds(path, micro, accum, world):
+    template = _load(path)
+    config = _fill(
+        template, micro_batch_size=micro, gradient_accumulation_steps=accum, world_size=world
+    )
+    assert config["train_batch_size"] == micro * accum * world
+    assert config["train_micro_batch_size_per_gpu"] == micro
+    assert config["gradient_accumulation_steps"] == accum
+    assert config["gradient_clipping"] == 1.0
+    assert config["zero_optimization"]["reduce_bucket_size"] == 384 * 384
+    assert config["bf16"] == {"enabled": False} and config["fp16"] == {"enabled": False}
+    assert all(value != "auto" for _, value in _leaves(config))
+    assert template["train_batch_size"] == "auto", "the template itself is not modified"
+
+
+def test_precision_fills_the_matching_section():
+    config = _fill(_load(ZERO2), precision="bf16")
+    assert config["bf16"]["enabled"] is True and config["fp16"]["enabled"] is False
+
+
+def test_explicit_value_that_disagrees_with_the_recipe_is_refused():
+    template = _load(ZERO2)
+    template["train_micro_batch_size_per_gpu"] = 4
+    with pytest.raises(
+        UsageError, match=r"train_micro_batch_size_per_gpu=4 disagrees with the recipe's 8"
+    ):
+        _fill(template)
+    template = _load(ZERO2)
+    template["train_batch_size"] = 100
+    with pytest.raises(UsageError, match="train_batch_size=100"):
+        _fill(template)
+
+
+def test_fp16_needs_cuda_and_launcher_conflicts():
+    with pytest.raises(UsageError, match="fp16: needs a CUDA GPU"):
+        resolve_precision("fp16", {})
+    with pytest.raises(UsageError, match="conflicts with the launcher's mixed_precision=bf16"):
+        resolve_precision("no", {"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert resolve_precision(None, {"ACCELERATE_MIXED_PRECISION": "bf16"}) == "bf16"
+    assert resolve_precision("bf16", {"ACCELERATE_MIXED_PRECISION": "no"}) == "bf16"
+    assert resolve_precision(None, {}) == "no"
+
+
+def test_lr_scaling_rules():
+    assert scaled_learning_rate(1e-4, "none", 8, 2) == 1e-4
+    assert scaled_learning_rate(1e-4, "linear", 8, 2) == pytest.approx(1.6e-3)
+    assert scaled_learning_rate(1e-4, "sqrt", 8, 2) == pytest.approx(4e-4)
