@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 NPROC ?= 2
+STRATEGY ?= ddp
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpkit-installed
 
@@ -31,9 +32,10 @@ $(STAMP): pyproject.toml
 	$(VENV)/bin/dpkit data fetch
 	touch $(STAMP)
 
-# The main job: fine-tune all-MiniLM-L6-v2 on Rotten Tomatoes, DDP on NPROC CPU processes (or GPUs).
+# The main job: fine-tune all-MiniLM-L6-v2 on Rotten Tomatoes, STRATEGY (ddp, zero1, zero2)
+# on NPROC processes (CPU with gloo, or GPUs).
 finetune: setup
-	$(VENV)/bin/accelerate launch --config_file ds_configs/accelerate/ddp.yaml --num_processes $(NPROC) \
+	$(VENV)/bin/accelerate launch --config_file ds_configs/accelerate/$(STRATEGY).yaml --num_processes $(NPROC) \
 		recipes/finetune.py --output-dir runs/finetune --overwrite-output-dir
 
 test: setup lint
@@ -52,3 +54,11 @@ format: setup
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
+
+# One short GPU check (for a lent GPU machine): the memory report of DDP and ZeRO-2
+# on one GPU, bf16, printed at the end of each run.
+GPU_CHECK_ARGS := --max-steps 30 --max-train-samples 4000 --max-eval-samples 500 --mixed-precision bf16 --overwrite-output-dir
+gpu-check: setup
+	$(PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs CUDA'; print(torch.cuda.get_device_name(0))"
+	$(PY) recipes/finetune.py $(GPU_CHECK_ARGS) --output-dir runs/gpu-check-ddp
+	$(PY) recipes/finetune.py $(GPU_CHECK_ARGS) --strategy zero2 --output-dir runs/gpu-check-zero2

@@ -150,10 +150,14 @@ def _zero2_report(extra_grad: float = 0.0) -> MemoryReport:
     ]
     rows[1]["grads"] += extra_grad
     rows[1]["model_state_total"] += extra_grad
-    rows[1]["holders"] = {"grads": {"grads_in_partition (partition share)": 2e6, "param.grad": extra_grad}}
+    rows[1]["holders"] = {
+        "grads": {"grads_in_partition (partition share)": 2e6, "param.grad": extra_grad}
+    }
     rows[1]["buffers"] = {"zero_ipg_bucket": 589_824.0}
     rows[1]["buffers_total"] = 589_824.0
-    return MemoryReport(strategy="zero2", precision="fp32", world_size=n, num_params=psi, ranks=rows)
+    return MemoryReport(
+        strategy="zero2", precision="fp32", world_size=n, num_params=psi, ranks=rows
+    )
 
 
 def test_report_math_matches_the_analytic_core():

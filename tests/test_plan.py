@@ -1,0 +1,499 @@
+"""``dpkit plan``: ZeRO-paper formulas, DeepSpeed's estimators, the activation trace, the CLI.
+
+Fast and CPU-only: models are built on the meta device, and the CLI runs as a
+subprocess (``python -m dpkit.cli plan``) the way a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpkit import plan
+from dpkit.analytic import model_state_bytes
+from dpkit.errors import UsageError
+
+GIB = 2**30
+# Parameter counts of the bundled configs, as published for the Hugging Face
+# checkpoints (GPT-2 model cards; Llama-2-7B: 6.74B).
+PUBLISHED_PARAMS = {
+    "gpt2": 124_439_808,
+    "gpt2-medium": 354_823_168,
+    "gpt2-large": 774_030_080,
+    "gpt2-xl": 1_557_611_200,
+    "llama-7b": 6_738_415_616,
+}
+# Divisible by every world size used below, so Psi/N is exact in floating point.
+PSIS = (124_439_808, 6_738_415_616)
+WORLD_SIZES = (1, 2, 8, 64)
+
+
+@pytest.fixture(scope="module")
+def specs() -> dict[str, plan.ModelSpec]:
+    return {name: plan.load_model(name) for name in PUBLISHED_PARAMS}
+
+
+def inputs_for(spec: plan.ModelSpec, **overrides) -> plan.PlanInputs:
+    settings = {"seq_len": min(spec.max_positions or 1024, 1024)} | overrides
+    return plan.PlanInputs(model=spec, **settings)
+
+
+# --- model states: the ZeRO paper, section 5 -----------------------------------------------
+
+
+# K: bytes of optimizer state per parameter in the paper's sense, including the
+# fp32 master copy that mixed precision needs (Adam: 4 master + 4 + 4 = 12).
+PAPER_K_MIXED = {"adamw": 12, "sgd_momentum": 8, "sgd": 4}
+# The optimizer's own state (fp32 training needs no master copy).
+OWN_STATE = {"adamw": 8, "sgd_momentum": 4, "sgd": 0}
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+@pytest.mark.parametrize("optimizer", sorted(PAPER_K_MIXED))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("psi", PSIS)
+def test_mixed_precision_follows_zero_paper(psi, world_size, optimizer, precision):
+    """Mixed precision: DDP (2+2+K)Psi; ZeRO-1 2Psi+2Psi+K*Psi/N; ZeRO-2 2Psi+(2+K)Psi/N;
+    ZeRO-3 (2+2+K)Psi/N (Rajbhandari et al. 2020, figure 1 and section 5)."""
+    k, n = PAPER_K_MIXED[optimizer], world_size
+
+    def states(strategy):
+        return model_state_bytes(psi, strategy, n, precision, optimizer)
+
+    # dpkit's DDP is autocast: fp32 params and grads, no separate master copy,
+    # the same total as the paper's 16-bit params and grads plus K.
+    assert states("ddp").total == (2 + 2 + k) * psi
+    zero1, zero2, zero3 = states("zero1"), states("zero2"), states("zero3")
+    assert zero1.total == 2 * psi + 2 * psi + k * psi // n
+    assert zero2.total == 2 * psi + (2 + k) * psi // n
+    assert zero3.total == (2 + 2 + k) * psi // n
+    for sharded in (zero1, zero2, zero3):
+        assert sharded.optimizer + sharded.master == k * psi // n
+    assert (zero1.grads, zero2.grads) == (2 * psi, 2 * psi // n)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OWN_STATE))
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("psi", PSIS)
+def test_fp32_follows_zero_paper_with_deepspeeds_master_partition(psi, world_size, optimizer):
+    """fp32: 4-byte params and grads; DDP needs no master copy, while DeepSpeed's
+    ZeRO keeps an fp32 master partition even then (measured, STACK-NOTES)."""
+    own, n = OWN_STATE[optimizer], world_size
+
+    def total(strategy):
+        return model_state_bytes(psi, strategy, n, "fp32", optimizer).total
+
+    assert total("ddp") == (4 + 4 + own) * psi
+    assert total("zero1") == 4 * psi + 4 * psi + (own + 4) * psi // n
+    assert total("zero2") == 4 * psi + (4 + own + 4) * psi // n
+    assert total("zero3") == (4 + 4 + own + 4) * psi // n
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_offload_keeps_16bit_params_and_grad_partition_on_the_gpu(world_size):
+    psi, n = PSIS[0], world_size
+    offload = model_state_bytes(psi, "zero2_offload", n, "bf16", "cpu_adam")
+    assert offload.total == 2 * psi + 2 * psi // n
+    assert offload.offloaded_to_cpu == 12 * psi // n
+
+
+# --- DeepSpeed's own estimators -------------------------------------------------------------
+
+
+def _ds_estimators():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    return estimate_zero2_model_states_mem_needs, estimate_zero3_model_states_mem_needs
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2, 4, 8])
+@pytest.mark.parametrize("psi", PSIS)
+def test_zero2_matches_deepspeed_estimator(psi, gpus_per_node):
+    """DeepSpeed: gpu = 2P + 18P/N, "2 = params_16bit, 18 = 2_grads_16bit +
+    4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit". The 4-byte fp32
+    gradient partition is not a model state in dpkit.analytic: the planner
+    counts it as a step temporary. Together they are DeepSpeed's figure.
+    DeepSpeed's estimate leaves out torch AdamW's foreach temporary, so that
+    term is excluded here."""
+    estimate_zero2, _ = _ds_estimators()
+    n = gpus_per_node
+    _, ds_gpu = estimate_zero2(psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=False)
+    states = model_state_bytes(psi, "zero2", n, "bf16", "adamw")
+    step = plan.step_bytes("zero2", "adamw", psi, n)
+    assert states.total + step["fp32_grad_partition"] == ds_gpu
+
+
+@pytest.mark.parametrize("gpus_per_node", [1, 2, 4])
+@pytest.mark.parametrize("psi", PSIS)
+def test_zero2_offload_matches_deepspeed_estimator(psi, gpus_per_node, specs):
+    """Offload: DeepSpeed's gpu figure is the 16-bit parameters alone (it leaves
+    the 16-bit gradient partition out: compared term by term). Its host figure,
+    with the buffer factor set to 1, is 16 bytes per parameter per node while
+    4N <= 16: fp32 grads, master and Adam state, which is N times the planner's
+    host bytes per GPU. With more GPUs per node DeepSpeed counts 4 bytes per
+    parameter per process instead (each process loading the fp32 model at
+    start-up), which the planner does not model."""
+    estimate_zero2, _ = _ds_estimators()
+    n = gpus_per_node
+    ds_cpu, ds_gpu = estimate_zero2(
+        psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=True, additional_buffer_factor=1.0
+    )
+    states = model_state_bytes(psi, "zero2_offload", n, "bf16", "cpu_adam")
+    assert states.params == ds_gpu
+    spec = plan.ModelSpec(name=str(psi), source="count", num_params=psi)
+    inputs = plan.PlanInputs(model=spec, gpus_per_node=n, seq_len=1024)
+    row = plan.estimate(inputs, "zero2_offload", 1, None, plan.buffer_settings(spec))
+    assert n * row.host_offload == ds_cpu
+
+
+@pytest.mark.parametrize("model", ["gpt2", "llama-7b"])
+@pytest.mark.parametrize("gpus_per_node", [2, 8])
+def test_zero3_matches_deepspeed_estimator(model, gpus_per_node, specs):
+    """DeepSpeed ZeRO-3: gpu = 4 * largest_layer + 18P/N. Its 18 has 2 (16-bit
+    params) + 4 (fp32 grads) + 4 (master) + 8 (Adam) and no 16-bit gradient
+    partition, which dpkit.analytic counts (2P/N): compared without it. The
+    largest layer is DeepSpeed's own measure of the model (model_to_params)."""
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    _, estimate_zero3 = _ds_estimators()
+    spec, n = specs[model], gpus_per_node
+    meta_model = plan.build_meta_model(spec.config)
+    assert model_to_params(meta_model)[1] == spec.largest_layer_params
+    _, ds_gpu, ds_largest_layer = estimate_zero3(
+        spec.num_params, spec.largest_layer_params, n, 1, cpu_offload=False
+    )
+    states = model_state_bytes(spec.num_params, "zero3", n, "bf16", "adamw")
+    step = plan.step_bytes("zero3", "adamw", spec.num_params, n)
+    buffers = plan.buffer_bytes("zero3", spec, n, "bf16", plan.buffer_settings(spec))
+    assert buffers["gathered_layer"] == ds_largest_layer
+    ours = states.total - states.grads + step["fp32_grad_partition"] + buffers["gathered_layer"]
+    assert ours == pytest.approx(ds_gpu, abs=1)  # DeepSpeed truncates 18P/N to an int
+
+
+# --- the model ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_bundled_configs_have_the_published_parameter_counts(name, specs):
+    assert specs[name].source == "bundled"
+    assert specs[name].num_params == PUBLISHED_PARAMS[name]
+
+
+def test_local_config_file_and_folder(tmp_path):
+    config = json.loads((plan.CONFIG_DIR / "gpt2.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"n_layer": 2}))
+    by_file = plan.load_model(str(tmp_path / "config.json"))
+    by_folder = plan.load_model(str(tmp_path))
+    assert by_file.source == by_folder.source == "path"
+    # Two blocks instead of twelve: 10 blocks of 7,087,872 parameters fewer.
+    assert by_file.num_params == by_folder.num_params == PUBLISHED_PARAMS["gpt2"] - 10 * 7_087_872
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("80GiB", 80 * 2**30),
+        ("24GB", 24 * 10**9),
+        ("80G", 80 * 2**30),
+        ("16000MiB", 16000 * 2**20),
+        ("1.5 TB", 1.5e12),
+        ("0", 0),
+    ],
+)
+def test_parse_memory(text, expected):
+    assert plan.parse_memory(text) == expected
+
+
+@pytest.mark.parametrize("text", ["80", "80 gigs", "GiB", "-5GiB", "", "8O GB"])
+def test_parse_memory_rejects(text):
+    with pytest.raises(UsageError, match="--gpu-memory"):
+        plan.parse_memory(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("124M", 124 * 10**6), ("1.5B", 1_500_000_000), ("6.7e9", 6_700_000_000), ("124_439_808", 124_439_808)],
+)  # fmt: skip
+def test_parse_count(text, expected):
+    assert plan.parse_count(text) == expected
+
+
+# --- activations -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("s", "h", "a"), [(1024, 768, 12), (2048, 1600, 25), (4096, 4096, 32)])
+def test_formula_is_korthikanti_et_al(s, h, a):
+    """Per layer, per sample: s*h*(34 + 5*a*s/h) bytes (section 4.1); with the scores
+    not kept (fused attention, or the paper's selective recomputation), 34*s*h."""
+    assert plan.formula_layer_bytes(s, h, a) == pytest.approx(s * h * (34 + 5 * a * s / h))
+    assert plan.formula_layer_bytes(s, h, a, eager_attention=False) == 34 * s * h
+
+
+def test_trace_reproduces_the_paper_on_a_paper_shaped_gpt():
+    """A GPT-2 block with what the paper assumes (fused GELU, dropout, a 4h MLP,
+    materialised attention) saves what the formula says, within LayerNorm's
+    fp32 statistics. This checks the meta-device trace, not the formula."""
+    from transformers import GPT2Config
+
+    s, h, heads, layers = 256, 512, 8, 3
+    config = GPT2Config(
+        n_layer=layers, n_embd=h, n_head=heads, vocab_size=1000, n_positions=s,
+        activation_function="gelu",
+    )  # fmt: skip
+    spec = plan.ModelSpec(name="paper-gpt", source="path", num_params=1, config=config)
+    traced = plan.trace_profile(spec, s, "bf16", checkpointing=False, attention="eager")
+    expected = layers * plan.formula_layer_bytes(s, h, heads)
+    assert expected == layers * s * h * (34 + 5 * heads * s / h)
+    assert traced.per_sample["layers"] == pytest.approx(expected, rel=0.01)
+
+
+def _saved_bytes_on_cpu(config, micro_batch: int, seq_len: int, attention: str) -> float:
+    """Bytes a real bf16 forward on the CPU saves for backward (the memory report's measure)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention)
+    model = model.to(torch.bfloat16).train()
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, labels=ids)
+    return float(sum(seen.values()))
+
+
+@pytest.mark.parametrize("micro_batch", [1, 4])
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_trace_matches_a_real_forward(family, attention, micro_batch):
+    """Without dropout the CPU takes the same paths as a GPU (its SDPA is a fused
+    kernel too), so the meta trace must match a real forward's saved bytes:
+    exactly at micro-batch 1, and on the line fitted at 2 and 3 beyond."""
+    from transformers import GPT2Config, LlamaConfig
+
+    if family == "gpt2":
+        config = GPT2Config(
+            n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+    else:
+        config = LlamaConfig(
+            hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=4, vocab_size=512, max_position_embeddings=64,
+        )  # fmt: skip
+    spec = plan.ModelSpec(name=family, source="path", num_params=1, config=config)
+    traced = plan.trace_profile(spec, 64, "bf16", checkpointing=False, attention=attention)
+    parts = traced.parts(micro_batch)
+    saved = sum(parts.values()) - parts["logits_peak"]  # the logits peak is not a saved tensor
+    measured = _saved_bytes_on_cpu(config, micro_batch, 64, attention)
+    assert saved == pytest.approx(measured, rel=0.01)
+
+
+def test_checkpointing_and_sequence_length_move_activations_the_right_way(specs):
+    spec = specs["gpt2-medium"]
+    full = plan.trace_profile(spec, 1024, "bf16", checkpointing=False, attention="sdpa")
+    checkpointed = plan.trace_profile(spec, 1024, "bf16", checkpointing=True, attention="sdpa")
+    shorter = plan.trace_profile(spec, 512, "bf16", checkpointing=False, attention="sdpa")
+    eager = plan.trace_profile(spec, 1024, "bf16", checkpointing=False, attention="eager")
+    kept_by_layers = checkpointed.per_sample["layer_inputs"] + checkpointed.per_sample["one_layer"]
+    assert kept_by_layers < full.per_sample["layers"] / 8
+    assert checkpointed.at(8) < full.at(8) / 2
+    # Full recomputation keeps each layer's 16-bit input: 2*s*h bytes per layer (the paper's 2sbhL).
+    assert checkpointed.per_sample["layer_inputs"] == 24 * 2 * 1024 * 1024
+    assert shorter.at(8) < full.at(8) / 1.9
+    assert eager.at(8) > full.at(8)
+
+
+def test_formula_is_the_fallback_when_the_trace_fails(specs, monkeypatch):
+    def no_meta(*args, **kwargs):
+        raise RuntimeError("this model does not run on meta")
+
+    monkeypatch.setattr(plan, "trace_profile", no_meta)
+    profile = plan.activation_profile(specs["gpt2"], 1024, "bf16", False, "sdpa")
+    assert profile.method == "formula"
+    assert "does not run on meta" in profile.note
+    expected = plan.formula_profile(specs["gpt2"], 1024, "bf16", False, "sdpa")
+    assert profile.at(4) == expected.at(4)
+
+
+def test_bare_parameter_count_has_no_activations():
+    spec = plan.ModelSpec(name="1.5B", source="count", num_params=1_500_000_000)
+    result = plan.make_plan(plan.PlanInputs(model=spec, gpu_memory=80 * GIB))
+    assert result.activations is None
+    assert all(v is None for v in result.largest_micro_batches.values())
+
+
+# --- recommendation and micro-batch ----------------------------------------------------------
+
+
+def test_small_model_on_big_gpus_gets_ddp(specs):
+    result = plan.make_plan(inputs_for(specs["gpt2"]))
+    assert result.recommended == "ddp"
+    assert result.largest_micro_batches["ddp"] >= 8
+
+
+def test_15b_on_24gb_needs_zero(specs):
+    inputs = inputs_for(specs["gpt2-xl"], gpu_memory=plan.parse_memory("24GB"))
+    result = plan.make_plan(inputs)
+    assert result.row("ddp").total > inputs.usable  # 16 bytes/param alone is 23.2 GiB
+    assert result.recommended in ("zero1", "zero2")
+    assert result.row(result.recommended).total <= inputs.usable
+    assert "DDP needs" in result.reason
+
+
+def test_7b_on_80gb_skips_ddp(specs):
+    result = plan.make_plan(inputs_for(specs["llama-7b"]))
+    assert result.recommended != "ddp"
+    assert result.row("ddp").model_states == 16 * PUBLISHED_PARAMS["llama-7b"]
+
+
+def test_recommendation_is_the_first_fitting_strategy(specs):
+    for memory in ("16GB", "24GB", "40GB", "80GiB"):
+        inputs = inputs_for(specs["gpt2-large"], gpu_memory=plan.parse_memory(memory))
+        try:
+            result = plan.make_plan(inputs)
+        except UsageError:
+            continue
+        fitting = [r.strategy for r in result.rows if result.fits(r)]
+        assert [r.strategy for r in result.rows] == list(plan.RECOMMENDATION_ORDER)
+        assert result.recommended == fitting[0]
+
+
+def test_cpu_adam_only_runs_offloaded(specs):
+    result = plan.make_plan(inputs_for(specs["gpt2"], optimizer="cpu_adam"))
+    assert result.recommended == "zero2_offload"
+    assert [r.strategy for r in result.rows if r.applicable] == ["zero2_offload"]
+    assert "cpu_adam" in result.reason
+
+
+def test_largest_micro_batch_is_the_boundary(specs):
+    inputs = inputs_for(specs["gpt2-medium"], gpu_memory=plan.parse_memory("24GB"))
+    result = plan.make_plan(inputs)
+    for strategy in ("ddp", "zero1", "zero2"):
+        largest = result.largest_micro_batches[strategy]
+        assert largest >= 1
+        row = plan.estimate(inputs, strategy, largest, result.activations, result.settings)
+        over = plan.estimate(inputs, strategy, largest + 1, result.activations, result.settings)
+        assert row.total <= inputs.usable < over.total
+
+
+def test_largest_micro_batch_grows_with_memory_sharding_and_checkpointing(specs):
+    spec = specs["gpt2-medium"]
+
+    def largest(strategy, memory="40GB", **overrides):
+        inputs = inputs_for(spec, gpu_memory=plan.parse_memory(memory), **overrides)
+        return plan.make_plan(inputs).largest_micro_batches[strategy]
+
+    by_memory = [largest("zero2", m) for m in ("16GB", "24GB", "40GB", "80GiB")]
+    assert by_memory == sorted(by_memory) and by_memory[0] < by_memory[-1]
+    by_stage = [largest(s) for s in ("ddp", "zero1", "zero2")]
+    assert by_stage == sorted(by_stage)
+    assert largest("zero2", activation_checkpointing=True) > 2 * largest("zero2")
+    assert largest("zero2", seq_len=512) > largest("zero2", seq_len=1024)
+
+
+# --- the command line ----------------------------------------------------------------------------
+
+
+def run_plan(*args: str) -> subprocess.CompletedProcess:
+    env = os.environ | {
+        "HF_HUB_OFFLINE": "1"
+    }  # an unknown Hub name fails at once, not after retries
+    return subprocess.run(
+        [sys.executable, "-m", "dpkit.cli", "plan", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+        timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "value"),
+    [
+        (["--model", "no-such-org/no-such-model"], "--model", "no-such-org/no-such-model"),
+        (["--model", "./no/such/config.json"], "--model", "./no/such/config.json"),
+        (["--params", "0"], "--params", "0"),
+        (["--params", "-5"], "--params", "-5"),
+        (["--params", "lots"], "--params", "lots"),
+        (["--params", "1B", "--gpus-per-node", "0"], "--gpus-per-node", "0"),
+        (["--params", "1B", "--nodes", "0"], "--nodes", "0"),
+        (["--params", "1B", "--gpu-memory=80gigs"], "--gpu-memory", "80gigs"),
+        (["--params", "1B", "--gpu-memory=0GiB"], "--gpu-memory", "0GiB"),
+        (["--params", "1B", "--gpu-memory=-5GiB"], "--gpu-memory", "-5GiB"),
+        (["--params", "1B", "--micro-batch", "0"], "--micro-batch", "0"),
+        (["--params", "1B", "--micro-batch", "-1"], "--micro-batch", "-1"),
+        (["--params", "1B", "--seq-len", "0"], "--seq-len", "0"),
+        (["--params", "1B", "--precision", "fp8"], "--precision", "fp8"),
+        (["--params", "1B", "--optimizer", "lion"], "--optimizer", "lion"),
+        (["--params", "1B", "--headroom", "1.5"], "--headroom", "1.5"),
+        (["--params", "100B", "--gpus-per-node", "1", "--gpu-memory", "24GB"], "--params", "100B"),
+        (["--model", "gpt2", "--micro-batch", "4096", "--gpu-memory", "24GB"], "--micro-batch", "4096"),
+        (["--model", "gpt2", "--seq-len", "2048"], "--seq-len", "2048"),
+        ([], "--model", "None"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_one_line_and_exit_code_2(args, field, value):
+    result = run_plan(*args)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("dpkit plan: error: ")
+    assert field in lines[0] and value in lines[0]
+    assert result.stdout == ""
+
+
+def test_cli_table_names_every_strategy_and_the_recommendation():
+    result = run_plan("--model", "gpt2")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    for label in plan.STRATEGY_LABELS.values():
+        assert label in result.stdout
+    assert "recommended: DDP" in result.stdout
+    assert "not counted:" in result.stdout
+
+
+def test_cli_json(specs):
+    result = run_plan("--model", "gpt2-xl", "--gpu-memory", "24GB", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert data["model"]["num_params"] == PUBLISHED_PARAMS["gpt2-xl"]
+    assert data["inputs"]["gpu_memory_bytes"] == 24 * 10**9
+    assert [row["strategy"] for row in data["strategies"]] == list(plan.RECOMMENDATION_ORDER)
+    usable = data["inputs"]["usable_bytes"]
+    for row in data["strategies"]:
+        figures = row["bytes_per_gpu"]
+        # Model states come from the analytic core, not from the planner.
+        optimizer = "cpu_adam" if row["strategy"] == "zero2_offload" else "adamw"
+        states = model_state_bytes(
+            PUBLISHED_PARAMS["gpt2-xl"], row["strategy"], 8, "bf16", optimizer
+        )
+        assert figures["params"] == round(states.params)
+        assert figures["optimizer"] == round(states.optimizer)
+        assert row["fits"] == (figures["total"] <= usable)
+    recommended = data["recommendation"]["strategy"]
+    assert recommended != "ddp"
+    chosen = next(r for r in data["strategies"] if r["strategy"] == recommended)
+    assert chosen["fits"]
+    assert data["recommendation"]["largest_micro_batch"] == chosen["largest_micro_batch"]
+
+
+def test_importing_the_command_does_not_import_torch():
+    code = "import sys, dpkit.plan; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.split() == ["False", "False"]
