@@ -274,7 +274,7 @@ def main() -> None:
                 optimizer.step()
                 optimizer.zero_grad()
             throughput.update(batch["attention_mask"].sum().item(), batch["labels"].numel())
-            window_loss.append(loss.detach())
+            window_loss.append(loss.detach().float())
             if not accelerator.sync_gradients:
                 continue
             # One optimizer step done: the schedule advances once per step, for every strategy.

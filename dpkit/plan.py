@@ -1,0 +1,1345 @@
+"""``dpkit plan``: per-GPU memory of DDP and ZeRO before launching, and the least sharding that fits.
+
+    dpkit plan --model gpt2-xl                    # bundled config; 8 x 80GiB, bf16, AdamW
+    dpkit plan --model llama-7b --gpu-memory 24GB --activation-checkpointing
+    dpkit plan --model ./my-model/config.json --gpus-per-node 4 --nodes 2 --json
+    dpkit plan --params 1.5B --precision fp32 --optimizer sgd_momentum
+
+``--model`` is looked up in this order: a config bundled in ``dpkit/configs``
+(``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``llama-7b``), a local
+``config.json`` or a folder holding one, then the Hugging Face Hub (or its
+local cache). Only the config is read; the model is built on the meta device.
+
+Per GPU, for DDP, ZeRO-1, ZeRO-2, ZeRO-2 with the optimizer offloaded to the
+CPU, and ZeRO-3 (for reference: dpkit's recipes run the first four):
+
+* model states (parameters, gradients, optimizer state, fp32 master weights)
+  from :func:`dpkit.analytic.model_state_bytes`, the same figures the memory
+  report predicts with;
+* activations: the bytes autograd saves for backward (what the memory report
+  measures), found by running the model's real forward on the meta device at
+  full size, plus the loss's logits peak; :func:`formula_layer_bytes` is the
+  paper formula it is checked against and falls back to;
+* buffers: DDP's gradient buckets, DeepSpeed's reduce bucket, the fp32
+  gradient partition ZeRO builds for the optimizer step, ZeRO-3's gathered
+  layers, with the settings dpkit runs with (:mod:`dpkit.memory_settings`);
+* a runtime reserve (CUDA context, NCCL, allocator fragmentation: ``--reserve``)
+  and a share of the GPU kept free (``--headroom``).
+
+What is not counted is in :data:`NOT_COUNTED`; it is printed with every plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpkit.analytic import PRECISIONS, model_state_bytes
+from dpkit.errors import UsageError
+
+GIB = 2**30
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+STRATEGY_LABELS = {
+    "ddp": "DDP",
+    "zero1": "ZeRO-1",
+    "zero2": "ZeRO-2",
+    "zero2_offload": "ZeRO-2 offload",
+    "zero3": "ZeRO-3 (ref)",
+}
+# Least sharding first: the recommendation is the first of these that fits.
+RECOMMENDATION_ORDER = ("ddp", "zero1", "zero2", "zero2_offload", "zero3")
+OPTIMIZER_CHOICES = ("adamw", "sgd", "sgd_momentum", "cpu_adam")
+ATTENTION_CHOICES = ("sdpa", "eager")
+ACTIVATION_METHODS = ("trace", "formula")
+
+# The sequence length defaults to the model's context, but no longer than this:
+# long-context configs (128k positions) would otherwise plan for a run nobody does.
+MAX_DEFAULT_SEQ_LEN = 4096
+# The micro-batch search stops here; past it the answer is "more than you need".
+MAX_MICRO_BATCH = 1 << 16
+
+# DeepSpeed's own defaults (deepspeed/runtime/zero/config.py), used where
+# dpkit.memory_settings says nothing.
+DEEPSPEED_DEFAULTS = {
+    "reduce_bucket_size": 500_000_000,
+    "contiguous_gradients": True,
+    "overlap_comm": False,  # DeepSpeed turns it on for stage 3 only
+    "stage3_prefetch_bucket_size": 50_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+}
+
+NOT_COUNTED = (
+    "other processes on the GPU, and CUDA/NCCL memory beyond --reserve",
+    "temporaries inside one layer's forward or backward (the largest is a few MLP-sized tensors)",
+    "under DDP's autocast, the residual stream and norm inputs stay fp32: "
+    "the 16-bit trace undercounts them by about 2 bytes per hidden unit per token per norm",
+    "evaluation, generation and checkpoint saving (the plan is one training step)",
+    "host memory other than what offload moves there (and the fp32 model each process "
+    "loads at start-up)",
+)
+
+_MEMORY_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    # A bare K/M/G/T is binary, like nvidia-smi's MiB and torch's byte counts:
+    # an "80 GB" A100 has 80 GiB, so "80G" means what its owner expects.
+    "k": 2**10,
+    "m": 2**20,
+    "g": 2**30,
+    "t": 2**40,
+}
+_COUNT_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "t": 10**12}
+
+
+# --- parsing -----------------------------------------------------------------
+
+
+def parse_memory(text: str, flag: str = "--gpu-memory") -> int:
+    """Bytes in a memory size: ``80GiB``, ``24GB``, ``80G``, ``16000MiB``.
+
+    GB/MB are decimal (1e9, 1e6), GiB/MiB binary (2**30, 2**20); a bare G/M is
+    binary. A bare number is accepted only for zero, since ``80`` is more
+    likely a forgotten unit than 80 bytes.
+    """
+    if str(text).strip().startswith("-"):
+        raise UsageError(f"{flag}={text!r}: must not be negative")
+    match = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", str(text))
+    if match is None:
+        raise UsageError(
+            f"{flag}={text!r}: not a memory size (use e.g. 80GiB, 24GB, 80G, 16000MiB)"
+        )
+    value, unit = float(match.group(1)), match.group(2).lower()
+    if unit == "" and value == 0:
+        return 0
+    if unit not in _MEMORY_UNITS:
+        raise UsageError(
+            f"{flag}={text!r}: unknown or missing unit (use B, KB, MB, GB, TB, KiB, MiB, GiB, TiB, "
+            "or K/M/G/T for binary)"
+        )
+    return int(round(value * _MEMORY_UNITS[unit]))
+
+
+def parse_count(text: str, flag: str = "--params") -> int:
+    """A positive count: ``124M``, ``1.5B``, ``6.7e9``, ``124_439_808``."""
+    cleaned = str(text).strip().replace("_", "").replace(",", "")
+    if cleaned.startswith("-"):
+        raise UsageError(f"{flag}={text!r}: must be positive")
+    match = re.fullmatch(r"(\d+(?:\.\d*)?(?:e\d+)?|\.\d+)([kmbt]?)", cleaned, flags=re.IGNORECASE)
+    if match is None:
+        raise UsageError(f"{flag}={text!r}: not a count (use e.g. 124M, 1.5B, 6.7e9)")
+    value = float(match.group(1)) * _COUNT_SUFFIXES[match.group(2).lower()]
+    if value < 1 or value != math.floor(value):
+        raise UsageError(f"{flag}={text!r}: must be a positive whole number")
+    return int(value)
+
+
+def _positive_int(text: Any, flag: str) -> int:
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise UsageError(f"{flag}={text!r}: not a whole number") from None
+    if value <= 0:
+        raise UsageError(f"{flag}={text!r}: must be positive")
+    return value
+
+
+def _fraction(text: Any, flag: str) -> float:
+    """A fraction in [0, 1): ``0.1`` or ``10%``."""
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise UsageError(f"{flag}={text!r}: not a fraction (use e.g. 0.1 or 10%)") from None
+    if not 0 <= value < 1:
+        raise UsageError(f"{flag}={text!r}: must be at least 0 and below 1 (100%)")
+    return value
+
+
+# --- the model ----------------------------------------------------------------
+
+
+def _first_line(err: BaseException) -> str:
+    """An exception as one line, for one-line errors and notes."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def bundled_models() -> list[str]:
+    """Short names of the configs in ``dpkit/configs``."""
+    return sorted(path.stem for path in CONFIG_DIR.glob("*.json"))
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the plan knows about the model."""
+
+    name: str
+    """As given: a bundled name, a path, a Hub name, or the ``--params`` text."""
+    source: str
+    """``bundled``, ``path``, ``hub`` or ``count`` (a bare ``--params``)."""
+    num_params: int
+    """Distinct parameters, tied weights counted once."""
+    config: Any = field(default=None, repr=False, compare=False)
+    """The transformers config (None for a bare count): the shapes activations come from."""
+    largest_layer_params: int = 0
+    """Most parameters held directly by one module: the layer ZeRO-3 gathers whole (DeepSpeed's term)."""
+    small_tensor_params: int = 0
+    """Parameters in tensors under ZeRO-3's persistence threshold, which every rank keeps whole."""
+    gated_mlp: bool = False
+    """Whether the MLP is gated (SwiGLU: gate and up projections), for the formula."""
+
+    @property
+    def has_shapes(self) -> bool:
+        return self.config is not None
+
+    def shape(self, *names: str, default: Any = None) -> Any:
+        """The first of ``names`` the config defines (configs name the same shape differently)."""
+        for name in names:
+            value = getattr(self.config, name, None)
+            if value is not None:
+                return value
+        return default
+
+    @property
+    def hidden_size(self) -> int | None:
+        return self.shape("hidden_size", "n_embd", "d_model")
+
+    @property
+    def max_positions(self) -> int | None:
+        value = self.shape("max_position_embeddings", "n_positions", "max_seq_len")
+        return value if isinstance(value, int) and value > 0 else None
+
+
+def _load_config(name: str) -> tuple[Any, str]:
+    from transformers import AutoConfig
+
+    bundled = CONFIG_DIR / f"{name}.json"
+    path = Path(name).expanduser()
+    if "/" not in name and bundled.is_file():
+        location, source = str(bundled), "bundled"
+    elif path.is_file() or (path.is_dir() and (path / "config.json").is_file()):
+        location, source = str(path), "path"
+    elif path.is_dir():
+        raise UsageError(f"--model={name!r}: the folder has no config.json")
+    elif name.startswith((".", "/", "~")) or name.endswith(".json"):
+        raise UsageError(f"--model={name!r}: no such file or folder")
+    else:
+        # A Hub name (or one of dpkit's embedded offline models): the lead's loader.
+        from dpkit.models import load_model_config
+
+        try:
+            return load_model_config(name)[1], "hub"
+        except UsageError as err:
+            raise UsageError(
+                f"{err}; bundled configs are: {', '.join(bundled_models())}; "
+                "a local config.json also works"
+            ) from None
+    try:
+        return AutoConfig.from_pretrained(location), source
+    except (OSError, ValueError) as err:
+        raise UsageError(f"--model={name!r}: cannot read its config ({_first_line(err)})") from None
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings (config nits, loss-type notes): the plan's
+    stderr is for its own one-line errors."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def build_meta_model(config: Any, attn_implementation: str | None = None) -> Any:
+    """The model for ``config`` on the meta device: shapes and code, no memory, no weights."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with _quiet_transformers(), init_empty_weights():
+        try:
+            model = AutoModelForCausalLM.from_config(config, **kwargs)
+        except ValueError:  # not a causal LM (an encoder, say): the bare model
+            model = AutoModel.from_config(config, **kwargs)
+    # init_empty_weights re-registers every parameter on the meta device, which
+    # leaves transformers 5's tied weights untied (GPT-2 would count 163M, not
+    # 124M); tying again restores what a real load does (and honours
+    # tie_word_embeddings=False).
+    model.tie_weights()
+    return model
+
+
+def load_model(name: str) -> ModelSpec:
+    """Resolve ``--model`` and count its parameters on the meta device."""
+    config, source = _load_config(name)
+    try:
+        model = build_meta_model(config)
+    except Exception as err:  # any model class may refuse a config; say which and why
+        raise UsageError(
+            f"--model={name!r}: cannot build it from its config ({_first_line(err)})"
+        ) from None
+    threshold = DEEPSPEED_DEFAULTS["stage3_param_persistence_threshold"]
+    # parameters() yields each Parameter once, so tied weights count once
+    # (dpkit.models.count_parameters keys on data_ptr, which is 0 for every meta tensor).
+    params = list(model.parameters())
+    largest = max(
+        (sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()),
+        default=0,
+    )
+    return ModelSpec(
+        name=name,
+        source=source,
+        num_params=sum(p.numel() for p in params),
+        config=config,
+        largest_layer_params=largest,
+        small_tensor_params=sum(p.numel() for p in params if p.numel() < threshold),
+        gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
+    )
+
+
+# --- activations ----------------------------------------------------------------
+
+
+def _act_bytes(precision: str) -> int:
+    return 4 if precision == "fp32" else 2
+
+
+def formula_layer_bytes(
+    seq_len: int,
+    hidden: int,
+    heads: int,
+    intermediate: int | None = None,
+    act_bytes: int = 2,
+    hidden_dropout: bool = True,
+    attention_dropout: bool = True,
+    eager_attention: bool = True,
+    gated_mlp: bool = False,
+    kv_heads: int | None = None,
+) -> float:
+    """Bytes one transformer layer saves for backward, per sample of the micro-batch.
+
+    Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+    Transformer Models", section 4.1: ``s*b*h*(34 + 5*a*s/h)`` bytes per layer
+    with 16-bit activations, 1-byte dropout masks, an MLP of 4h and attention
+    scores materialised. That is the default here; the arguments generalise
+    the same terms term by term: activation width, dropout present or not, the
+    MLP width and gating, grouped K/V heads, and a fused attention kernel
+    (``eager_attention=False``), which keeps no ``s*s`` scores (backward
+    recomputes them) -- the paper's "selective recomputation" figure, 34sbh.
+    """
+    s, h, a = seq_len, hidden, act_bytes
+    i = intermediate if intermediate is not None else 4 * h
+    kv = (kv_heads if kv_heads is not None else heads) / heads
+    hidden_mask = 1 if hidden_dropout else 0
+    # Attention: QKV input, Q and K (for QK^T), V, output-projection input, dropout mask.
+    attention = a * s * h + a * s * h * (1 + kv) + a * s * h * kv + a * s * h + hidden_mask * s * h
+    if eager_attention:
+        # Per score: softmax output, its dropout mask and dropout output (the
+        # matmul input); without dropout the softmax output is that input.
+        per_score = a + (1 + a if attention_dropout else 0)
+        attention += per_score * heads * s * s
+    # MLP: input; 4h pre-activation and 4h post-activation (the paper's 8+8 at 16 bits);
+    # gated: gate output, up output, activation output and their product.
+    mlp = a * s * h + (4 if gated_mlp else 2) * a * s * i + hidden_mask * s * h
+    norms = 2 * a * s * h
+    return float(attention + mlp + norms)
+
+
+@dataclass(frozen=True)
+class ActivationProfile:
+    """Activation bytes per GPU by micro-batch, by part: exact at 1, a line from 2 on."""
+
+    method: str
+    """``trace`` (meta-device forward) or ``formula`` (Korthikanti et al.)."""
+    at_one: dict[str, float]
+    """Bytes by part at micro-batch 1. The parts: ``layers`` (or ``layer_inputs``
+    and ``one_layer`` when checkpointing), ``outside_layers``, ``logits_peak``."""
+    fixed: dict[str, float]
+    """By part, bytes that do not grow with the micro-batch (position ids, shared masks)."""
+    per_sample: dict[str, float]
+    """By part, bytes per sample from micro-batch 2 on. Micro-batch 1 is apart:
+    there ``reshape`` can return a view (of the fused QKV output, say) where
+    larger batches copy, so it is not on the line."""
+    note: str = ""
+    """Why the formula was used where a trace was asked for."""
+
+    def parts(self, micro_batch: int) -> dict[str, float]:
+        if micro_batch == 1:
+            return dict(self.at_one)
+        return {k: self.fixed.get(k, 0.0) + v * micro_batch for k, v in self.per_sample.items()}
+
+    def at(self, micro_batch: int) -> float:
+        return sum(self.parts(micro_batch).values())
+
+
+def _logits_peak_per_sample(spec: ModelSpec, seq_len: int, act_bytes: int) -> float:
+    # At the start of backward, beside everything saved: the logits the model
+    # returned (activation dtype), and cross-entropy's two fp32 gradients (of
+    # the log-probabilities, then of the upcast logits). The log-probabilities
+    # themselves are saved tensors, counted with the rest.
+    vocab = spec.shape("vocab_size", default=0) or 0
+    return float(seq_len * vocab * (act_bytes + 4 + 4))
+
+
+def formula_profile(
+    spec: ModelSpec, seq_len: int, precision: str, checkpointing: bool, attention: str
+) -> ActivationProfile:
+    """Activations from :func:`formula_layer_bytes` and the config's shapes."""
+    a = _act_bytes(precision)
+    hidden, layers = spec.hidden_size, spec.shape("num_hidden_layers", "n_layer")
+    heads = spec.shape("num_attention_heads", "n_head")
+    vocab = spec.shape("vocab_size", default=0) or 0
+    hidden_p = spec.shape("resid_pdrop", "hidden_dropout_prob", "hidden_dropout", default=0.0)
+    attention_p = spec.shape(
+        "attn_pdrop", "attention_probs_dropout_prob", "attention_dropout", default=0.0
+    )
+    embedding_p = spec.shape("embd_pdrop", default=hidden_p)
+    one_layer = formula_layer_bytes(
+        seq_len,
+        hidden,
+        heads,
+        intermediate=spec.shape("intermediate_size", "n_inner"),
+        act_bytes=a,
+        hidden_dropout=hidden_p > 0,
+        attention_dropout=attention_p > 0,
+        eager_attention=attention == "eager",
+        gated_mlp=spec.gated_mlp,
+        kv_heads=spec.shape("num_key_value_heads"),
+    )
+    # Outside the layers: embedding dropout mask, final norm input, LM-head
+    # input, and the fp32 log-probabilities cross-entropy saves.
+    outside = seq_len * ((1 if embedding_p > 0 else 0) * hidden + 2 * a * hidden + 4 * vocab)
+    parts = {"outside_layers": float(outside)}
+    if checkpointing:
+        parts |= {"layer_inputs": float(layers * a * seq_len * hidden), "one_layer": one_layer}
+    else:
+        parts["layers"] = layers * one_layer
+    parts["logits_peak"] = _logits_peak_per_sample(spec, seq_len, a)
+    return ActivationProfile("formula", parts, dict.fromkeys(parts, 0.0), parts)
+
+
+def _fused_kernel_mode() -> Any:
+    """A torch function mode that makes the meta device save what a GPU saves.
+
+    On meta (as on CPU) PyTorch takes other code paths than on CUDA:
+    ``scaled_dot_product_attention`` falls back to the math kernel, which
+    saves the whole fp32 score matrix, and dropout multiplies by a mask of the
+    input's dtype. On a GPU, SDPA runs a fused kernel (FlashAttention,
+    memory-efficient) that keeps q, k, v, the output and the per-row
+    log-sum-exp, recomputing the scores in backward (Dao et al. 2022), and
+    dropout is ``native_dropout`` with a one-byte mask.
+    """
+    import torch
+    import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
+
+    class FusedAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, query: Any, key: Any, value: Any) -> Any:
+            # The kernels write (batch, seq, heads, dim) and return a transposed
+            # view, so the model's transpose(1, 2).contiguous() copies nothing.
+            batch, heads, seq = query.shape[:-1]
+            output = query.new_empty((batch, seq, heads, value.shape[-1])).transpose(1, 2)
+            log_sum_exp = query.new_empty(query.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(query, key, value, output, log_sum_exp)
+            return output
+
+        @staticmethod
+        def backward(ctx: Any, grad: Any) -> Any:  # never run: the trace only goes forward
+            raise NotImplementedError
+
+    def sdpa(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        return FusedAttention.apply(query, key, value)
+
+    def dropout(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+        if not training or p == 0:
+            return input  # PyTorch returns the input itself: nothing saved
+        return torch.ops.aten.native_dropout(input, p, True)[0]
+
+    replacements = {F.scaled_dot_product_attention: sdpa, F.dropout: dropout}
+
+    class FusedKernels(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return replacements.get(func, func)(*args, **(kwargs or {}))
+
+    return FusedKernels()
+
+
+def _repeated_layers(model: Any) -> list[Any]:
+    """The transformer blocks: modules of the classes transformers never splits,
+    else the children of the largest ModuleList."""
+    import torch
+
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [m for m in model.modules() if type(m).__name__ in block_classes]
+    if blocks:
+        return blocks
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def _trace_once(model: Any, micro_batch: int, seq_len: int, with_labels: bool) -> dict[str, Any]:
+    """Saved-for-backward bytes of one forward on the meta device, by layer."""
+    import torch
+
+    param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
+    seen: set[int] = set()
+    layers = _repeated_layers(model)
+    per_layer = [0.0] * len(layers)
+    layer_inputs = [0.0] * len(layers)
+    state = {"layer": -1, "outside": 0.0}
+
+    def pack(tensor: Any) -> Any:
+        key = tensor.untyped_storage()._cdata
+        if (
+            key not in seen and key not in param_storages
+        ):  # each storage once; weights are model states
+            seen.add(key)
+            nbytes = float(tensor.untyped_storage().nbytes())
+            if state["layer"] >= 0:
+                per_layer[state["layer"]] += nbytes
+            else:
+                state["outside"] += nbytes
+        return tensor
+
+    def enter(index: int) -> Any:
+        def hook(module: Any, args: Any, kwargs: Any) -> None:
+            state["layer"] = index
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            if torch.is_tensor(hidden):
+                layer_inputs[index] = float(hidden.untyped_storage().nbytes())
+
+        return hook
+
+    def leave(module: Any, args: Any, output: Any) -> None:
+        state["layer"] = -1
+
+    handles = []
+    for index, layer in enumerate(layers):
+        handles.append(layer.register_forward_pre_hook(enter(index), with_kwargs=True))
+        handles.append(layer.register_forward_hook(leave))
+    ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device="meta")
+    kwargs = {"input_ids": ids, "labels": ids} if with_labels else {"input_ids": ids}
+    try:
+        with (
+            _quiet_transformers(),
+            _fused_kernel_mode(),
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+        ):
+            model(**kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {"outside": state["outside"], "layers": per_layer, "layer_inputs": layer_inputs}
+
+
+def trace_profile(
+    spec: ModelSpec, seq_len: int, precision: str, checkpointing: bool, attention: str
+) -> ActivationProfile:
+    """Activations from the model's own forward, run on the meta device at full size.
+
+    Counts every storage autograd saves for backward once, skipping weights
+    (the memory report's measure). Traced at micro-batches 1, 2 and 3: from 2
+    on every saved tensor has a batch dimension or none, so 2 and 3 give the
+    line exactly; 1 is kept as traced (see :class:`ActivationProfile`). With
+    checkpointing, each layer keeps its input and one layer at a time is
+    recomputed in backward.
+    """
+    import torch
+
+    model = build_meta_model(spec.config, attn_implementation=attention)
+    model = model.to(torch.float32 if precision == "fp32" else torch.bfloat16).train()
+    has_lm_head = model.get_output_embeddings() is not None
+    logits_peak = _logits_peak_per_sample(spec, seq_len, _act_bytes(precision))
+
+    def saved(micro_batch: int) -> dict[str, float]:
+        trace = _trace_once(model, micro_batch, seq_len, has_lm_head)
+        parts = {"outside_layers": trace["outside"]}
+        if checkpointing:
+            parts["layer_inputs"] = sum(trace["layer_inputs"])
+            parts["one_layer"] = max(trace["layers"], default=0.0)
+        else:
+            parts["layers"] = sum(trace["layers"])
+        if has_lm_head:
+            parts["logits_peak"] = logits_peak * micro_batch
+        return parts
+
+    one, two, three = saved(1), saved(2), saved(3)
+    per_sample = {k: three[k] - two[k] for k in two}
+    fixed = {k: two[k] - 2 * per_sample[k] for k in two}
+    return ActivationProfile("trace", one, fixed, per_sample)
+
+
+def activation_profile(
+    spec: ModelSpec,
+    seq_len: int,
+    precision: str,
+    checkpointing: bool,
+    attention: str = "sdpa",
+    method: str = "trace",
+) -> ActivationProfile | None:
+    """Activations per GPU, or None for a bare parameter count (no shapes)."""
+    if not spec.has_shapes:
+        return None
+    if method == "trace":
+        try:
+            return trace_profile(spec, seq_len, precision, checkpointing, attention)
+        except Exception as err:  # an unusual model may not run on meta; the formula still applies
+            note = f"meta-device trace failed ({_first_line(err)})"
+            try:
+                fallback = formula_profile(spec, seq_len, precision, checkpointing, attention)
+            except (TypeError, ValueError, ZeroDivisionError) as formula_err:  # shapes missing
+                raise UsageError(
+                    f"--model={spec.name!r}: cannot estimate activations ({note}; the formula "
+                    f"lacks shapes: {_first_line(formula_err)}); --params counts model states only"
+                ) from None
+            return ActivationProfile(
+                "formula", fallback.at_one, fallback.fixed, fallback.per_sample, note
+            )
+    return formula_profile(spec, seq_len, precision, checkpointing, attention)
+
+
+# --- buffers ------------------------------------------------------------------------
+
+
+def buffer_settings(spec: ModelSpec) -> dict[str, Any]:
+    """The DDP and ZeRO settings a dpkit run uses, over DeepSpeed's defaults."""
+    from dpkit import memory_settings as dpkit_settings
+
+    settings: dict[str, Any] = dict(DEEPSPEED_DEFAULTS)
+    settings["gradient_as_bucket_view"] = bool(
+        dpkit_settings.ddp_kwargs(spec.num_params).get("gradient_as_bucket_view", False)
+    )
+    if spec.hidden_size:  # a bare --params has no hidden size: DeepSpeed's defaults stand
+        settings.update(dpkit_settings.zero_memory_settings(spec.num_params, spec.hidden_size))
+    return settings
+
+
+def buffer_bytes(
+    strategy: str,
+    spec: ModelSpec,
+    world_size: int,
+    precision: str,
+    settings: dict[str, Any],
+    ddp_grad_bytes: float = 0.0,
+) -> dict[str, float]:
+    """Per-GPU communication buffers held through forward and backward, by name.
+
+    * DDP: the reducer allocates flat buckets for every gradient up front
+      (bucket_cap_mb only splits them); with ``gradient_as_bucket_view`` the
+      gradients are views of those buckets and cost nothing more.
+    * ZeRO-1/2 (and offload): the reduce bucket of ``reduce_bucket_size``
+      elements in the module dtype, two with ``overlap_comm``. The post-step
+      all-gather writes into the parameters in place (all_gather_into_tensor).
+    * ZeRO-3: one reduce bucket, the largest layer gathered whole with its
+      16-bit gradient (DeepSpeed's ``largest_layer_memory``), the prefetch
+      bucket, and the small tensors every rank keeps whole.
+    """
+    module_bytes = _act_bytes(precision)
+    if strategy == "ddp":
+        return {
+            "ddp_gradient_buckets": 0.0 if settings["gradient_as_bucket_view"] else ddp_grad_bytes
+        }
+    # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
+    reduce_buckets = 2 if settings["overlap_comm"] and strategy != "zero3" else 1
+    parts = {"reduce_bucket": reduce_buckets * settings["reduce_bucket_size"] * module_bytes}
+    if strategy == "zero3":
+        parts["gathered_layer"] = 2 * module_bytes * spec.largest_layer_params
+        parts["prefetch_bucket"] = module_bytes * settings["stage3_prefetch_bucket_size"]
+        parts["persistent_small_tensors"] = module_bytes * spec.small_tensor_params
+    return parts
+
+
+def step_bytes(strategy: str, optimizer: str, num_params: int, world_size: int) -> dict[str, float]:
+    """Per-GPU temporaries of the optimizer step, by name.
+
+    They exist after backward has freed the activations, so a step's peak is
+    the larger of the two, not their sum.
+
+    * ZeRO (not offloaded): the fp32 copy of this rank's gradient partition
+      the step reads (DeepSpeed's estimator counts it as "4 bytes grads
+      32bit"); offload builds it in host memory.
+    * torch AdamW (dpkit's optimizer; foreach on GPUs): one fp32 temporary
+      the size of the parameters it updates (``exp_avg_sq_sqrt``): all of
+      them under DDP, this rank's partition under ZeRO, none on the GPU under
+      offload. SGD updates in place.
+    """
+    psi, n = float(num_params), float(world_size)
+    updated_here = {"ddp": psi, "zero2_offload": 0.0}.get(strategy, psi / n)
+    parts: dict[str, float] = {}
+    if strategy not in ("ddp", "zero2_offload"):
+        parts["fp32_grad_partition"] = 4 * psi / n
+    if optimizer in ("adamw", "adam"):
+        parts["optimizer_temporaries"] = 4 * updated_here
+    return parts
+
+
+# --- the plan -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """A validated request: the model, the machines and the training step."""
+
+    model: ModelSpec
+    """The model to plan for."""
+    gpus_per_node: int = 8
+    """GPUs in each node."""
+    nodes: int = 1
+    """Nodes; the data-parallel world size is ``gpus_per_node * nodes``."""
+    gpu_memory: int = 80 * GIB
+    """Bytes of memory on each GPU."""
+    precision: str = "bf16"
+    """``fp32``, or ``bf16``/``fp16`` mixed precision."""
+    optimizer: str = "adamw"
+    """``adamw``, ``sgd``, ``sgd_momentum``, or ``cpu_adam`` (offload only)."""
+    micro_batch: int = 1
+    """Samples per GPU per forward."""
+    seq_len: int = 1024
+    """Tokens per sample."""
+    activation_checkpointing: bool = False
+    """Recompute each layer in backward, keeping only its input."""
+    attention: str = "sdpa"
+    """``sdpa`` (a fused kernel on GPUs) or ``eager`` (scores materialised)."""
+    activation_method: str = "trace"
+    """``trace`` the model on the meta device, or the paper ``formula``."""
+    reserve: int = 2 * GIB
+    """Bytes per GPU for the CUDA context, NCCL and allocator slack."""
+    headroom: float = 0.10
+    """Share of each GPU kept free: a plan fits if its total is within the rest."""
+
+    def __post_init__(self) -> None:
+        checks = (
+            ("--gpus-per-node", self.gpus_per_node, self.gpus_per_node > 0, "must be positive"),
+            ("--nodes", self.nodes, self.nodes > 0, "must be positive"),
+            ("--gpu-memory", self.gpu_memory, self.gpu_memory > 0, "must be positive"),
+            ("--micro-batch", self.micro_batch, self.micro_batch > 0, "must be positive"),
+            ("--seq-len", self.seq_len, self.seq_len > 0, "must be positive"),
+            ("--reserve", self.reserve, self.reserve >= 0, "must not be negative"),
+            ("--headroom", self.headroom, 0 <= self.headroom < 1, "must be in [0, 1)"),
+            ("--precision", self.precision, self.precision in PRECISIONS, "unknown"),
+            ("--optimizer", self.optimizer, self.optimizer in OPTIMIZER_CHOICES, "unknown"),
+            ("--attention", self.attention, self.attention in ATTENTION_CHOICES, "unknown"),
+        )
+        for flag, value, ok, problem in checks:
+            if not ok:
+                raise UsageError(f"{flag}={value!r}: {problem}")
+        positions = self.model.max_positions
+        if positions is not None and self.seq_len > positions:
+            raise UsageError(
+                f"--seq-len={self.seq_len}: longer than the model's {positions} positions"
+            )
+        if self.usable <= self.reserve:
+            raise UsageError(
+                f"--gpu-memory={self.gpu_memory / GIB:.1f}GiB: nothing left after --reserve "
+                f"and --headroom"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable(self) -> float:
+        """Bytes per GPU a plan may use: the GPU less the headroom."""
+        return self.gpu_memory * (1 - self.headroom)
+
+
+@dataclass(frozen=True)
+class StrategyEstimate:
+    """Predicted bytes per GPU under one strategy."""
+
+    strategy: str
+    """A key of :data:`STRATEGY_LABELS`."""
+    applicable: bool
+    """False where the optimizer cannot run under the strategy (cpu_adam without offload)."""
+    params: float = 0.0
+    """Module parameters on the GPU."""
+    grads: float = 0.0
+    """Gradients on the GPU."""
+    optimizer: float = 0.0
+    """Optimizer state on the GPU."""
+    master: float = 0.0
+    """fp32 master weights on the GPU."""
+    activations: float = 0.0
+    """Saved-for-backward bytes and the logits peak (0 when not estimated)."""
+    buffers: float = 0.0
+    """Sum of ``buffer_parts``."""
+    step: float = 0.0
+    """Sum of ``step_parts``: optimizer-step temporaries, alive once activations are freed."""
+    reserve: float = 0.0
+    """The runtime reserve (``--reserve``)."""
+    host_offload: float = 0.0
+    """Host bytes per GPU under offload: optimizer state, master weights, and the
+    fp32 gradient partition the CPU step reads."""
+    buffer_parts: dict[str, float] = field(default_factory=dict)
+    """Buffers by name (see :func:`buffer_bytes`)."""
+    step_parts: dict[str, float] = field(default_factory=dict)
+    """Step temporaries by name (see :func:`step_bytes`)."""
+    activation_parts: dict[str, float] = field(default_factory=dict)
+    """Activation bytes by part, at this micro-batch."""
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer + self.master
+
+    @property
+    def total(self) -> float:
+        """The peak: backward's (with activations) or the step's, whichever is larger."""
+        return self.model_states + self.buffers + self.reserve + max(self.activations, self.step)
+
+
+def _analytic_optimizer(strategy: str, optimizer: str) -> str | None:
+    """The optimizer the analytic core should count for this row, or None if it cannot run.
+
+    ``cpu_adam`` needs its parameters in host memory, so DeepSpeed runs it only
+    with optimizer offload. Under offload DeepSpeed swaps Adam/AdamW for its
+    CPU Adam (same state size), and runs SGD on the CPU as a torch optimizer
+    (which needs ``zero_force_ds_cpu_optimizer: false``).
+    """
+    if optimizer == "cpu_adam":
+        return "cpu_adam" if strategy == "zero2_offload" else None
+    if strategy == "zero2_offload" and optimizer in ("adamw", "adam"):
+        return "cpu_adam"
+    return optimizer
+
+
+def estimate(
+    inputs: PlanInputs,
+    strategy: str,
+    micro_batch: int,
+    activations: ActivationProfile | None,
+    settings: dict[str, Any],
+) -> StrategyEstimate:
+    """Bytes per GPU for ``strategy`` at ``micro_batch``."""
+    optimizer = _analytic_optimizer(strategy, inputs.optimizer)
+    if optimizer is None:
+        return StrategyEstimate(strategy, applicable=False)
+    states = model_state_bytes(
+        inputs.model.num_params, strategy, inputs.world_size, inputs.precision, optimizer
+    )
+    activation_parts: dict[str, float] = {}
+    if activations is not None:
+        activation_parts = activations.parts(micro_batch)
+    if strategy == "ddp" and inputs.precision != "fp32":
+        # Autocast casts each weight to 16 bits once per forward and keeps the
+        # copy for backward (the matmul saves it): the memory report sees
+        # these among saved tensors. Norm weights and position embeddings are
+        # not cast, so this is an upper bound.
+        activation_parts["autocast_weight_copies"] = 2.0 * inputs.model.num_params
+    buffers = buffer_bytes(
+        strategy, inputs.model, inputs.world_size, inputs.precision, settings, states.grads
+    )
+    step = step_bytes(strategy, optimizer, inputs.model.num_params, inputs.world_size)
+    # Offload builds the fp32 gradient partition in host memory, beside the
+    # optimizer state it feeds (DeepSpeed's estimator counts it there too).
+    offloaded = strategy == "zero2_offload"
+    host_grads = 4.0 * inputs.model.num_params / inputs.world_size if offloaded else 0.0
+    return StrategyEstimate(
+        strategy=strategy,
+        applicable=True,
+        params=states.params,
+        grads=states.grads,
+        optimizer=states.optimizer,
+        master=states.master,
+        activations=sum(activation_parts.values()),
+        buffers=sum(buffers.values()),
+        step=sum(step.values()),
+        reserve=float(inputs.reserve),
+        host_offload=states.offloaded_to_cpu + host_grads,
+        buffer_parts=buffers,
+        step_parts=step,
+        activation_parts=activation_parts,
+    )
+
+
+def largest_micro_batch(
+    inputs: PlanInputs,
+    strategy: str,
+    activations: ActivationProfile | None,
+    settings: dict[str, Any],
+) -> int | None:
+    """The largest micro-batch whose estimate fits, 0 if none does, None if unknown.
+
+    Doubles, then bisects, on :func:`estimate` itself, so it stays right
+    whatever shape the estimate takes. Unknown without activations (a bare
+    parameter count) or when the strategy cannot run; capped at
+    :data:`MAX_MICRO_BATCH`.
+    """
+    if activations is None:
+        return None
+
+    def fits(micro_batch: int) -> bool:
+        row = estimate(inputs, strategy, micro_batch, activations, settings)
+        return row.applicable and row.total <= inputs.usable
+
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high <= MAX_MICRO_BATCH and fits(high):
+        low, high = high, high * 2
+    if high > MAX_MICRO_BATCH:
+        return MAX_MICRO_BATCH
+    while high - low > 1:  # fits(low) and not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every strategy's estimate, and the recommendation."""
+
+    inputs: PlanInputs
+    """What was asked."""
+    activations: ActivationProfile | None
+    """How activations were estimated (None: not estimated)."""
+    settings: dict[str, Any]
+    """DDP/ZeRO buffer settings assumed."""
+    rows: list[StrategyEstimate]
+    """One estimate per strategy, in :data:`RECOMMENDATION_ORDER`."""
+    largest_micro_batches: dict[str, int | None]
+    """Per strategy, the largest micro-batch that fits (None: unknown)."""
+    recommended: str
+    """The least sharding that fits at the requested micro-batch."""
+    reason: str
+    """Why, in a sentence or two."""
+
+    def row(self, strategy: str) -> StrategyEstimate:
+        return next(r for r in self.rows if r.strategy == strategy)
+
+    def fits(self, row: StrategyEstimate) -> bool:
+        return row.applicable and row.total <= self.inputs.usable
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:.1f} GiB"
+
+
+def _reason(plan_rows: dict[str, StrategyEstimate], chosen: str, inputs: PlanInputs) -> str:
+    row = plan_rows[chosen]
+    usable = _gib(inputs.usable)
+    skipped = [s for s in RECOMMENDATION_ORDER[: RECOMMENDATION_ORDER.index(chosen)]]
+    too_big = [
+        f"{STRATEGY_LABELS[s]} needs {_gib(plan_rows[s].total)}"
+        for s in skipped
+        if plan_rows[s].applicable
+    ]
+    prefix = (f"{'; '.join(too_big)}, over the {usable} usable per GPU. ") if too_big else ""
+    n = inputs.world_size
+    why = {
+        "ddp": (
+            f"DDP fits ({_gib(row.total)} of {usable} usable): nothing needs sharding, and ZeRO "
+            "would add a DeepSpeed engine and sharded checkpoints for memory that is not needed."
+        ),
+        "zero1": (
+            f"ZeRO-1 shards optimizer state and master weights {n} ways at DDP's communication "
+            "volume (ZeRO paper: 2x parameters per step): the least sharding that fits."
+        ),
+        "zero2": (
+            f"ZeRO-2 also shards gradients {n} ways (reduce-scatter during backward, still DDP's "
+            "volume): the least sharding that fits."
+        ),
+        "zero2_offload": (
+            "Offload keeps ZeRO-2's sharding and moves optimizer state, master weights and fp32 "
+            f"gradients to host memory ({_gib(row.host_offload)} per GPU, "
+            f"{_gib(row.host_offload * inputs.gpus_per_node)} per node); the optimizer step "
+            "runs on the CPU and gradients and weights cross PCIe every step, so steps slow down."
+        ),
+        "zero3": (
+            "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
+            "backward (1.5x DDP's communication). dpkit's recipes stop at ZeRO-2; ZeRO-3 needs a "
+            "DeepSpeed config of your own."
+        ),
+    }[chosen]
+    if inputs.optimizer == "cpu_adam" and chosen == "zero2_offload":
+        prefix = "--optimizer cpu_adam runs only with optimizer offload. "
+    return prefix + why
+
+
+def _nothing_fits(inputs: PlanInputs, rows: list[StrategyEstimate]) -> UsageError:
+    smallest = min((r for r in rows if r.applicable), key=lambda r: r.total)
+    need = (
+        f"the smallest need is {STRATEGY_LABELS[smallest.strategy]} at {_gib(smallest.total)} "
+        f"per GPU against {_gib(inputs.usable)} usable ({_gib(inputs.gpu_memory)} less "
+        f"{inputs.headroom:.0%} headroom)"
+    )
+    before_activations = smallest.model_states + smallest.buffers + smallest.reserve + smallest.step
+    if smallest.activations and before_activations <= inputs.usable:
+        return UsageError(
+            f"--micro-batch={inputs.micro_batch}: fits under no strategy on "
+            f"{inputs.world_size} x {_gib(inputs.gpu_memory)}; {need}; lower --micro-batch or "
+            "--seq-len, or add --activation-checkpointing"
+        )
+    return UsageError(
+        f"--{'model' if inputs.model.source != 'count' else 'params'}={inputs.model.name!r}: "
+        f"fits under no strategy on {inputs.world_size} x {_gib(inputs.gpu_memory)} even "
+        f"before activations; {need}; use more GPUs or GPUs with more memory"
+    )
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    """Estimate every strategy and pick the least sharding that fits.
+
+    Raises UsageError when nothing fits at the requested micro-batch.
+    """
+    activations = activation_profile(
+        inputs.model,
+        inputs.seq_len,
+        inputs.precision,
+        inputs.activation_checkpointing,
+        inputs.attention,
+        inputs.activation_method,
+    )
+    settings = buffer_settings(inputs.model)
+    rows = [
+        estimate(inputs, s, inputs.micro_batch, activations, settings) for s in RECOMMENDATION_ORDER
+    ]
+    by_name = {r.strategy: r for r in rows}
+    fitting = [r.strategy for r in rows if r.applicable and r.total <= inputs.usable]
+    if not fitting:
+        raise _nothing_fits(inputs, rows)
+    largest = {
+        r.strategy: largest_micro_batch(inputs, r.strategy, activations, settings)
+        if r.applicable
+        else None
+        for r in rows
+    }
+    chosen = fitting[0]
+    return Plan(
+        inputs=inputs,
+        activations=activations,
+        settings=settings,
+        rows=rows,
+        largest_micro_batches=largest,
+        recommended=chosen,
+        reason=_reason(by_name, chosen, inputs),
+    )
+
+
+# --- output -------------------------------------------------------------------------
+
+
+def _describe_inputs(inputs: PlanInputs) -> list[str]:
+    model = inputs.model
+    source = {"bundled": "bundled config", "path": "local config", "hub": "Hub config"}
+    origin = f"{model.name} ({source[model.source]})" if model.source != "count" else "--params"
+    precision = "fp32" if inputs.precision == "fp32" else f"{inputs.precision} mixed precision"
+    return [
+        f"model: {origin}, {model.num_params:,} parameters",
+        f"GPUs: {inputs.world_size} ({inputs.nodes} node{'s' if inputs.nodes > 1 else ''} x "
+        f"{inputs.gpus_per_node}) x "
+        f"{_gib(inputs.gpu_memory)}; usable per GPU {_gib(inputs.usable)} "
+        f"({inputs.headroom:.0%} headroom kept free)",
+        f"step: {precision}, {inputs.optimizer}, micro-batch {inputs.micro_batch} x "
+        f"{inputs.seq_len} tokens, activation checkpointing "
+        f"{'on' if inputs.activation_checkpointing else 'off'}, attention {inputs.attention}",
+    ]
+
+
+def _describe_method(plan: Plan) -> str:
+    activations = plan.activations
+    if activations is None:
+        return (
+            "activations: NOT COUNTED (a bare --params has no shapes), except DDP autocast's "
+            "16-bit weight copies; the totals are a floor and no micro-batch limit is given"
+        )
+    if activations.method == "trace":
+        return (
+            "activations: bytes saved for backward, traced by running the model's forward on the "
+            "meta device (attention as a fused kernel, dropout masks 1 byte), plus the logits peak"
+        )
+    note = f" ({activations.note})" if activations.note else ""
+    return (
+        f"activations: Korthikanti et al. 2022 formula from the config's shapes{note}, "
+        "plus the logits peak"
+    )
+
+
+def format_table(plan: Plan) -> str:
+    """The human-readable plan."""
+    inputs = plan.inputs
+    header = (
+        f"{'GiB per GPU':<15}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}{'activ':>8}"
+        f"{'step':>8}{'buffers':>9}{'reserve':>9}{'total':>8}  {'fits (free)':<13}"
+        f"{'max micro-batch':>15}"
+    )
+    lines = ["dpkit plan", *("  " + line for line in _describe_inputs(inputs)), "", header]
+    total_rule = (
+        "total = params + grads + optim + master + buffers + reserve + the larger of activ "
+        "(freed by the end of backward) and step (optimizer-step temporaries)"
+    )
+    for row in plan.rows:
+        label = STRATEGY_LABELS[row.strategy]
+        if not row.applicable:
+            lines.append(f"{label:<15}  n/a: --optimizer {inputs.optimizer} needs offload")
+            continue
+        figures = (row.params, row.grads, row.optimizer, row.master, row.activations, row.step)
+        free = (inputs.gpu_memory - row.total) / inputs.gpu_memory
+        fits = f"{'yes' if plan.fits(row) else 'no'} ({free:.0%})"
+        largest = plan.largest_micro_batches[row.strategy]
+        largest_text = "-" if largest is None else str(largest)
+        lines.append(
+            f"{label:<15}"
+            + "".join(f"{v / GIB:>8.2f}" for v in figures)
+            + f"{row.buffers / GIB:>9.2f}{row.reserve / GIB:>9.2f}{row.total / GIB:>8.2f}"
+            + f"  {fits:<13}{largest_text:>15}"
+        )
+    chosen = plan.row(plan.recommended)
+    largest = plan.largest_micro_batches[plan.recommended]
+    largest_text = (
+        f"; largest micro-batch that fits under it: {largest}" if largest is not None else ""
+    )
+    offload = plan.row("zero2_offload")
+    settings = plan.settings
+    ddp_buckets = (
+        "DDP gradients are views of its buckets"
+        if settings["gradient_as_bucket_view"]
+        else "DDP's buckets copy every gradient"
+    )
+    lines += [
+        total_rule,
+        "",
+        f"recommended: {STRATEGY_LABELS[plan.recommended]} at micro-batch {inputs.micro_batch} "
+        f"({_gib(chosen.total)} per GPU){largest_text}",
+        f"  why: {plan.reason}",
+        "",
+        _describe_method(plan),
+        f"host memory: ZeRO-2 offload keeps {_gib(offload.host_offload)} per GPU in host RAM "
+        f"({_gib(offload.host_offload * inputs.gpus_per_node)} per node)",
+        f"buffers: {ddp_buckets}; ZeRO reduce bucket {settings['reduce_bucket_size']:,} "
+        f"elements, overlap_comm {settings['overlap_comm']} (dpkit.memory_settings over "
+        "DeepSpeed's defaults)",
+        "not counted:",
+        *(f"  - {item}" for item in NOT_COUNTED),
+    ]
+    return "\n".join(lines)
+
+
+def _row_dict(row: StrategyEstimate, plan: Plan) -> dict[str, Any]:
+    if not row.applicable:
+        return {"strategy": row.strategy, "applicable": False}
+    return {
+        "strategy": row.strategy,
+        "applicable": True,
+        "bytes_per_gpu": {
+            "params": round(row.params),
+            "grads": round(row.grads),
+            "optimizer": round(row.optimizer),
+            "master": round(row.master),
+            "activations": round(row.activations),
+            "step": round(row.step),
+            "buffers": round(row.buffers),
+            "reserve": round(row.reserve),
+            "total": round(row.total),
+        },
+        "buffer_parts": {k: round(v) for k, v in row.buffer_parts.items()},
+        "step_parts": {k: round(v) for k, v in row.step_parts.items()},
+        "activation_parts": {k: round(v) for k, v in row.activation_parts.items()},
+        "host_offload_bytes_per_gpu": round(row.host_offload),
+        "fits": plan.fits(row),
+        "free_fraction": (plan.inputs.gpu_memory - row.total) / plan.inputs.gpu_memory,
+        "largest_micro_batch": plan.largest_micro_batches[row.strategy],
+    }
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """The plan for ``--json``: bytes as integers, per GPU unless named otherwise."""
+    inputs = plan.inputs
+    activations = plan.activations
+    return {
+        "model": {
+            "name": inputs.model.name,
+            "source": inputs.model.source,
+            "num_params": inputs.model.num_params,
+        },
+        "inputs": {
+            "gpus_per_node": inputs.gpus_per_node,
+            "nodes": inputs.nodes,
+            "world_size": inputs.world_size,
+            "gpu_memory_bytes": inputs.gpu_memory,
+            "usable_bytes": round(inputs.usable),
+            "headroom": inputs.headroom,
+            "reserve_bytes": inputs.reserve,
+            "precision": inputs.precision,
+            "optimizer": inputs.optimizer,
+            "micro_batch": inputs.micro_batch,
+            "seq_len": inputs.seq_len,
+            "activation_checkpointing": inputs.activation_checkpointing,
+            "attention": inputs.attention,
+        },
+        "activations": None
+        if activations is None
+        else {
+            "method": activations.method,
+            "note": activations.note,
+            "bytes_at_micro_batch_1": round(activations.at(1)),
+            "bytes_per_sample_from_2": round(sum(activations.per_sample.values())),
+        },
+        "settings": plan.settings,
+        "strategies": [_row_dict(row, plan) for row in plan.rows],
+        "recommendation": {
+            "strategy": plan.recommended,
+            "reason": plan.reason,
+            "largest_micro_batch": plan.largest_micro_batches[plan.recommended],
+        },
+        "not_counted": list(NOT_COUNTED),
+    }
+
+
+# --- command line -------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``dpkit plan`` flags. Values are parsed in :func:`main` so that every
+    bad value gets the same one-line error (argparse's own spans several lines)."""
+    parser.epilog = __doc__.split("\n\n")[1] if __doc__ else None
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    model = parser.add_argument_group("model (one of)")
+    model.add_argument(
+        "--model",
+        metavar="NAME_OR_PATH",
+        help=f"bundled config ({', '.join(bundled_models())}), a config.json or its folder, "
+        "or a Hub name; built on the meta device, no weights read",
+    )
+    model.add_argument(
+        "--params", metavar="N", help="a bare parameter count (124M, 1.5B); no activations"
+    )
+    machine = parser.add_argument_group("machines")
+    machine.add_argument("--gpus-per-node", metavar="N", default="8", help="default: 8")
+    machine.add_argument("--nodes", metavar="N", default="1", help="default: 1")
+    machine.add_argument(
+        "--gpu-memory",
+        metavar="SIZE",
+        default="80GiB",
+        help="per GPU: 80GiB, 24GB (GB=1e9, GiB=2**30, bare G=GiB); default: 80GiB",
+    )
+    step = parser.add_argument_group("training step")
+    step.add_argument(
+        "--precision",
+        metavar="{fp32,bf16,fp16}",
+        default="bf16",
+        help=f"{'/'.join(PRECISIONS)}; default: bf16",
+    )
+    step.add_argument(
+        "--optimizer",
+        metavar="{adamw,sgd,sgd_momentum,cpu_adam}",
+        default="adamw",
+        help="adamw, sgd, sgd_momentum, or cpu_adam (DeepSpeed's CPU Adam: offload only); "
+        "the offload row runs AdamW as CPU Adam. Default: adamw",
+    )
+    step.add_argument("--micro-batch", metavar="N", default="1", help="samples per GPU; default: 1")
+    step.add_argument(
+        "--seq-len",
+        metavar="N",
+        default=None,
+        help=f"tokens per sample; default: the model's positions, at most {MAX_DEFAULT_SEQ_LEN}",
+    )
+    step.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each layer in backward (keeps only layer inputs)",
+    )
+    step.add_argument(
+        "--attention",
+        metavar="{sdpa,eager}",
+        default="sdpa",
+        help="sdpa (fused kernel, no scores kept) or eager (scores kept); default: sdpa",
+    )
+    estimate_group = parser.add_argument_group("estimate")
+    estimate_group.add_argument(
+        "--activation-estimate",
+        metavar="{trace,formula}",
+        default="trace",
+        help="trace (the model's forward on the meta device) or formula "
+        "(Korthikanti et al. 2022); default: trace",
+    )
+    estimate_group.add_argument(
+        "--reserve",
+        metavar="SIZE",
+        default="2GiB",
+        help="per GPU for CUDA context, NCCL and allocator slack; default: 2GiB",
+    )
+    estimate_group.add_argument(
+        "--headroom",
+        metavar="FRACTION",
+        default="0.1",
+        help="share of each GPU kept free for what the estimate misses; default: 0.1 (10%%)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def _choice(value: str, flag: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise UsageError(f"{flag}={value!r}: not one of {', '.join(choices)}")
+    return value
+
+
+def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
+    """Parse and check the flags (one-line UsageError on the first bad one)."""
+    if (args.model is None) == (args.params is None):
+        raise UsageError(
+            f"--model={args.model!r} / --params={args.params!r}: give exactly one of them"
+        )
+    precision = _choice(args.precision, "--precision", PRECISIONS)
+    optimizer = _choice(args.optimizer, "--optimizer", OPTIMIZER_CHOICES)
+    attention = _choice(args.attention, "--attention", ATTENTION_CHOICES)
+    method = _choice(args.activation_estimate, "--activation-estimate", ACTIVATION_METHODS)
+    gpus_per_node = _positive_int(args.gpus_per_node, "--gpus-per-node")
+    nodes = _positive_int(args.nodes, "--nodes")
+    gpu_memory = parse_memory(args.gpu_memory, "--gpu-memory")
+    if gpu_memory <= 0:
+        raise UsageError(f"--gpu-memory={args.gpu_memory!r}: must be positive")
+    reserve = parse_memory(args.reserve, "--reserve")
+    headroom = _fraction(args.headroom, "--headroom")
+    micro_batch = _positive_int(args.micro_batch, "--micro-batch")
+    seq_len = None if args.seq_len is None else _positive_int(args.seq_len, "--seq-len")
+    if args.params is not None:
+        spec = ModelSpec(name=args.params, source="count", num_params=parse_count(args.params))
+    else:
+        spec = load_model(args.model)
+    if seq_len is None:
+        seq_len = min(spec.max_positions or 1024, MAX_DEFAULT_SEQ_LEN)
+    return PlanInputs(
+        model=spec,
+        gpus_per_node=gpus_per_node,
+        nodes=nodes,
+        gpu_memory=gpu_memory,
+        precision=precision,
+        optimizer=optimizer,
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+        activation_checkpointing=args.activation_checkpointing,
+        attention=attention,
+        activation_method=method,
+        reserve=reserve,
+        headroom=headroom,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``dpkit plan``; bad input raises UsageError (exit code 2 from the CLI)."""
+    plan = make_plan(inputs_from_args(args))
+    print(json.dumps(plan_dict(plan), indent=2) if args.json else format_table(plan))
+    return 0
