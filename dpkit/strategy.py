@@ -221,9 +221,13 @@ def fill_deepspeed_config(
     hidden_size: int | None,
     learning_rate: float,
     weight_decay: float,
+    zero_settings: dict | None = None,
 ) -> dict:
     """Resolve every ``"auto"`` so that the batch identity holds by construction:
     ``train_batch_size = micro_batch x gradient_accumulation x world_size``.
+
+    ``zero_settings`` (from :func:`dpkit.memory_settings.zero_memory_settings`)
+    fills the ``zero_optimization`` keys left ``"auto"``; values the user wrote stay.
     """
     config = copy.deepcopy(template)
     _set_if_auto(config, "train_micro_batch_size_per_gpu", micro_batch_size, "")
@@ -244,8 +248,20 @@ def fill_deepspeed_config(
     # rule) instead of DeepSpeed's 5e8 default, which for a model under ~100M
     # parameters is a bucket larger than all the gradients together.
     bucket = int(hidden_size * hidden_size) if hidden_size else int(5e8)
-    _set_if_auto(zero, "reduce_bucket_size", bucket, "zero_optimization.")
-    _set_if_auto(zero, "allgather_bucket_size", bucket, "zero_optimization.")
+    # contiguous_gradients/overlap_comm: DeepSpeed's own defaults until
+    # PreparedStrategy.apply_model_settings() knows the model's sizes.
+    settings = {
+        "reduce_bucket_size": bucket,
+        "allgather_bucket_size": bucket,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+        **(zero_settings or {}),
+    }
+    for key in ("reduce_bucket_size", "allgather_bucket_size"):
+        zero.setdefault(key, "auto")
+    for key, value in settings.items():
+        if zero.get(key) == "auto":
+            zero[key] = value
 
     # A user-defined optimizer/scheduler section gets the recipe's lr and decay.
     for section_name, key, value in (
@@ -362,6 +378,38 @@ class PreparedStrategy:
         """Precision in :mod:`dpkit.analytic` terms."""
         return "fp32" if self.precision == "no" else self.precision
 
+    def apply_model_settings(self, model) -> dict:
+        """Fill the ZeRO memory settings that depend on the model (bucket sizes,
+        contiguous gradients) into the live DeepSpeed config, before ``prepare``.
+
+        Only keys the user's JSON left ``"auto"`` (or omitted, for the buckets)
+        change; :mod:`dpkit.memory_settings` argues each value. Returns them.
+        """
+        if self.ds_config is None:
+            return {}
+        from dpkit.memory_settings import zero_memory_settings
+
+        params = list(model.parameters())
+        hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+        settings = zero_memory_settings(
+            sum(p.numel() for p in params),
+            hidden,
+            world_size=self.choice.expected_world_size,
+            stage=self.choice.zero_stage,
+            largest_param_numel=max(p.numel() for p in params),
+            on_cuda=_cuda_available(),
+        )
+        template = (self.choice.ds_template or {}).get("zero_optimization", {})
+        live = self.accelerator.state.deepspeed_plugin.deepspeed_config["zero_optimization"]
+        applied = {}
+        for key, value in settings.items():
+            default = "auto" if key.endswith("bucket_size") else None
+            if template.get(key, default) == "auto":
+                live[key] = value
+                self.ds_config["zero_optimization"][key] = value
+                applied[key] = value
+        return applied
+
     def make_optimizer(self, params, lr: float, weight_decay: float):
         """torch AdamW for every strategy, so losses compare across strategies; a
         DeepSpeed JSON with its own ``optimizer`` section gets accelerate's DummyOptim."""
@@ -441,9 +489,14 @@ def build_accelerator(
     log_with: str | None = None,
     project_dir: str | None = None,
 ) -> PreparedStrategy:
-    """Build the Accelerator for ``choice``: backend, CPU/GPU, DDP kwargs or the resolved ZeRO config."""
+    """Build the Accelerator for ``choice``: backend, CPU/GPU, DDP kwargs or the resolved ZeRO config.
+
+    Call :meth:`PreparedStrategy.apply_model_settings` once the model exists.
+    """
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+    from dpkit.memory_settings import ddp_kwargs
 
     on_cuda = _cuda_available()
     backend = "nccl" if on_cuda else "gloo"
@@ -473,9 +526,8 @@ def build_accelerator(
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
         plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds_config))
     else:
-        # The grads become views into DDP's reduction buckets instead of a second
-        # full-size copy: saves 4 bytes/param in fp32 (torch DDP docs).
-        handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=True))
+        # Gradients as views into DDP's reduction buckets: one gradient copy, not two.
+        handlers.append(DistributedDataParallelKwargs(**ddp_kwargs()))
 
     accelerator = Accelerator(
         # Without CUDA, plain multi-process runs need cpu=True to form a gloo group

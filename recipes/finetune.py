@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from dpkit import memory_stub as memory
+from dpkit import memory
 from dpkit.config import config_dict, parse_finetune_args
 from dpkit.data import load_classification_splits
 from dpkit.errors import EXIT_USAGE, UsageError
@@ -180,7 +180,6 @@ def main() -> None:
     set_seed(train_cfg.seed, device_specific=True)
     run = RunOutput(train_cfg.output_dir, accelerator.is_main_process)
     run.start(config_dict(model_cfg, data_cfg, train_cfg))
-    run.write_json("ds_config.json", strategy.ds_config) if strategy.ds_config else None
 
     # Data.
     tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -199,6 +198,10 @@ def main() -> None:
     )
     set_seed(train_cfg.seed, device_specific=True)
     num_params = count_parameters(model)
+    # ZeRO bucket and gradient-layout settings depend on the model's sizes.
+    strategy.apply_model_settings(model)
+    if strategy.ds_config is not None:
+        run.write_json("ds_config.json", strategy.ds_config)
 
     # Optimizer and schedule: no decay on biases and LayerNorm weights.
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -239,6 +242,9 @@ def main() -> None:
         lr_scheduler,
     )
     run_info = strategy.verify_prepared(model, optimizer, learning_rate)
+    # Probes that see gradients and buffers at their high-water during each step
+    # (DeepSpeed frees them before a report taken after training could count them).
+    memory.track(model, optimizer)
     run.write_json("run_info.json", {**run_info.as_dict(), "num_params": num_params})
     logger.info("dpkit: %s", run_info.describe())
     logger.info(

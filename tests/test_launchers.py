@@ -7,6 +7,8 @@ intended strategy, world size and backend really ran.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tests.harness import (
@@ -97,6 +99,12 @@ def test_launch_form_runs_what_it_says(launched, name):
             == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world_size
         )
         assert "auto" not in str(ds)
+        # Memory settings sized to the model (dpkit.memory_settings): hidden^2 buckets.
+        assert ds["zero_optimization"]["reduce_bucket_size"] == 384 * 384
+        assert isinstance(ds["zero_optimization"]["contiguous_gradients"], bool)
+        # The memory report of the run, gathered from both ranks.
+        report = json.loads((result.output_dir / "memory_report.json").read_text())
+        assert report["world_size"] == world_size
     # The log says what runs, once, from the main process.
     assert result.output.count("dpkit: strategy=") == 1
     assert f"world_size={world_size}" in result.output
