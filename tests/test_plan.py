@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dpkit import plan
+from dpkit import activations, plan, plan_inputs
 from dpkit.analytic import model_state_bytes
 from dpkit.errors import UsageError
 
@@ -34,11 +34,11 @@ WORLD_SIZES = (1, 2, 8, 64)
 
 
 @pytest.fixture(scope="module")
-def specs() -> dict[str, plan.ModelSpec]:
-    return {name: plan.load_model(name) for name in PUBLISHED_PARAMS}
+def specs() -> dict[str, plan_inputs.ModelSpec]:
+    return {name: plan_inputs.load_model(name) for name in PUBLISHED_PARAMS}
 
 
-def inputs_for(spec: plan.ModelSpec, **overrides) -> plan.PlanInputs:
+def inputs_for(spec: plan_inputs.ModelSpec, **overrides) -> plan.PlanInputs:
     settings = {"seq_len": min(spec.max_positions or 1024, 1024)} | overrides
     return plan.PlanInputs(model=spec, **settings)
 
@@ -146,7 +146,7 @@ def test_zero2_offload_matches_deepspeed_estimator(psi, gpus_per_node, specs):
     )
     states = model_state_bytes(psi, "zero2_offload", n, "bf16", "cpu_adam")
     assert states.params == ds_gpu
-    spec = plan.ModelSpec(name=str(psi), source="count", num_params=psi)
+    spec = plan_inputs.ModelSpec(name=str(psi), source="count", num_params=psi)
     inputs = plan.PlanInputs(model=spec, gpus_per_node=n, seq_len=1024)
     row = plan.estimate(inputs, "zero2_offload", 1, None, plan.buffer_settings(spec))
     assert n * row.host_offload == ds_cpu
@@ -163,7 +163,7 @@ def test_zero3_matches_deepspeed_estimator(model, gpus_per_node, specs):
 
     _, estimate_zero3 = _ds_estimators()
     spec, n = specs[model], gpus_per_node
-    meta_model = plan.build_meta_model(spec.config)
+    meta_model = plan_inputs.build_meta_model(spec.config)
     assert model_to_params(meta_model)[1] == spec.largest_layer_params
     _, ds_gpu, ds_largest_layer = estimate_zero3(
         spec.num_params, spec.largest_layer_params, n, 1, cpu_offload=False
@@ -186,10 +186,10 @@ def test_bundled_configs_have_the_published_parameter_counts(name, specs):
 
 
 def test_local_config_file_and_folder(tmp_path):
-    config = json.loads((plan.CONFIG_DIR / "gpt2.json").read_text())
+    config = json.loads((plan_inputs.CONFIG_DIR / "gpt2.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"n_layer": 2}))
-    by_file = plan.load_model(str(tmp_path / "config.json"))
-    by_folder = plan.load_model(str(tmp_path))
+    by_file = plan_inputs.load_model(str(tmp_path / "config.json"))
+    by_folder = plan_inputs.load_model(str(tmp_path))
     assert by_file.source == by_folder.source == "path"
     # Two blocks instead of twelve: 10 blocks of 7,087,872 parameters fewer.
     assert by_file.num_params == by_folder.num_params == PUBLISHED_PARAMS["gpt2"] - 10 * 7_087_872
@@ -207,13 +207,13 @@ def test_local_config_file_and_folder(tmp_path):
     ],
 )
 def test_parse_memory(text, expected):
-    assert plan.parse_memory(text) == expected
+    assert plan_inputs.parse_memory(text) == expected
 
 
 @pytest.mark.parametrize("text", ["80", "80 gigs", "GiB", "-5GiB", "", "8O GB"])
 def test_parse_memory_rejects(text):
     with pytest.raises(UsageError, match="--gpu-memory"):
-        plan.parse_memory(text)
+        plan_inputs.parse_memory(text)
 
 
 @pytest.mark.parametrize(
@@ -221,7 +221,7 @@ def test_parse_memory_rejects(text):
     [("124M", 124 * 10**6), ("1.5B", 1_500_000_000), ("6.7e9", 6_700_000_000), ("124_439_808", 124_439_808)],
 )  # fmt: skip
 def test_parse_count(text, expected):
-    assert plan.parse_count(text) == expected
+    assert plan_inputs.parse_count(text) == expected
 
 
 # --- activations -----------------------------------------------------------------------
@@ -231,8 +231,8 @@ def test_parse_count(text, expected):
 def test_formula_is_korthikanti_et_al(s, h, a):
     """Per layer, per sample: s*h*(34 + 5*a*s/h) bytes (section 4.1); with the scores
     not kept (fused attention, or the paper's selective recomputation), 34*s*h."""
-    assert plan.formula_layer_bytes(s, h, a) == pytest.approx(s * h * (34 + 5 * a * s / h))
-    assert plan.formula_layer_bytes(s, h, a, eager_attention=False) == 34 * s * h
+    assert activations.formula_layer_bytes(s, h, a) == pytest.approx(s * h * (34 + 5 * a * s / h))
+    assert activations.formula_layer_bytes(s, h, a, eager_attention=False) == 34 * s * h
 
 
 def test_trace_reproduces_the_paper_on_a_paper_shaped_gpt():
@@ -246,9 +246,9 @@ def test_trace_reproduces_the_paper_on_a_paper_shaped_gpt():
         n_layer=layers, n_embd=h, n_head=heads, vocab_size=1000, n_positions=s,
         activation_function="gelu",
     )  # fmt: skip
-    spec = plan.ModelSpec(name="paper-gpt", source="path", num_params=1, config=config)
-    traced = plan.trace_profile(spec, s, "bf16", checkpointing=False, attention="eager")
-    expected = layers * plan.formula_layer_bytes(s, h, heads)
+    spec = plan_inputs.ModelSpec(name="paper-gpt", source="path", num_params=1, config=config)
+    traced = activations.trace_profile(spec, s, "bf16", checkpointing=False, attention="eager")
+    expected = layers * activations.formula_layer_bytes(s, h, heads)
     assert expected == layers * s * h * (34 + 5 * heads * s / h)
     assert traced.per_sample["layers"] == pytest.approx(expected, rel=0.01)
 
@@ -295,8 +295,8 @@ def test_trace_matches_a_real_forward(family, attention, micro_batch):
             hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=512, max_position_embeddings=64,
         )  # fmt: skip
-    spec = plan.ModelSpec(name=family, source="path", num_params=1, config=config)
-    traced = plan.trace_profile(spec, 64, "bf16", checkpointing=False, attention=attention)
+    spec = plan_inputs.ModelSpec(name=family, source="path", num_params=1, config=config)
+    traced = activations.trace_profile(spec, 64, "bf16", checkpointing=False, attention=attention)
     parts = traced.parts(micro_batch)
     saved = sum(parts.values()) - parts["logits_peak"]  # the logits peak is not a saved tensor
     measured = _saved_bytes_on_cpu(config, micro_batch, 64, attention)
@@ -305,10 +305,12 @@ def test_trace_matches_a_real_forward(family, attention, micro_batch):
 
 def test_checkpointing_and_sequence_length_move_activations_the_right_way(specs):
     spec = specs["gpt2-medium"]
-    full = plan.trace_profile(spec, 1024, "bf16", checkpointing=False, attention="sdpa")
-    checkpointed = plan.trace_profile(spec, 1024, "bf16", checkpointing=True, attention="sdpa")
-    shorter = plan.trace_profile(spec, 512, "bf16", checkpointing=False, attention="sdpa")
-    eager = plan.trace_profile(spec, 1024, "bf16", checkpointing=False, attention="eager")
+    full = activations.trace_profile(spec, 1024, "bf16", checkpointing=False, attention="sdpa")
+    checkpointed = activations.trace_profile(
+        spec, 1024, "bf16", checkpointing=True, attention="sdpa"
+    )
+    shorter = activations.trace_profile(spec, 512, "bf16", checkpointing=False, attention="sdpa")
+    eager = activations.trace_profile(spec, 1024, "bf16", checkpointing=False, attention="eager")
     kept_by_layers = checkpointed.per_sample["layer_inputs"] + checkpointed.per_sample["one_layer"]
     assert kept_by_layers < full.per_sample["layers"] / 8
     assert checkpointed.at(8) < full.at(8) / 2
@@ -322,16 +324,16 @@ def test_formula_is_the_fallback_when_the_trace_fails(specs, monkeypatch):
     def no_meta(*args, **kwargs):
         raise RuntimeError("this model does not run on meta")
 
-    monkeypatch.setattr(plan, "trace_profile", no_meta)
-    profile = plan.activation_profile(specs["gpt2"], 1024, "bf16", False, "sdpa")
+    monkeypatch.setattr(activations, "trace_profile", no_meta)
+    profile = activations.activation_profile(specs["gpt2"], 1024, "bf16", False, "sdpa")
     assert profile.method == "formula"
     assert "does not run on meta" in profile.note
-    expected = plan.formula_profile(specs["gpt2"], 1024, "bf16", False, "sdpa")
+    expected = activations.formula_profile(specs["gpt2"], 1024, "bf16", False, "sdpa")
     assert profile.at(4) == expected.at(4)
 
 
 def test_bare_parameter_count_has_no_activations():
-    spec = plan.ModelSpec(name="1.5B", source="count", num_params=1_500_000_000)
+    spec = plan_inputs.ModelSpec(name="1.5B", source="count", num_params=1_500_000_000)
     result = plan.make_plan(plan.PlanInputs(model=spec, gpu_memory=80 * GIB))
     assert result.activations is None
     assert all(v is None for v in result.largest_micro_batches.values())
@@ -347,7 +349,7 @@ def test_small_model_on_big_gpus_gets_ddp(specs):
 
 
 def test_15b_on_24gb_needs_zero(specs):
-    inputs = inputs_for(specs["gpt2-xl"], gpu_memory=plan.parse_memory("24GB"))
+    inputs = inputs_for(specs["gpt2-xl"], gpu_memory=plan_inputs.parse_memory("24GB"))
     result = plan.make_plan(inputs)
     assert result.row("ddp").total > inputs.usable  # 16 bytes/param alone is 23.2 GiB
     assert result.recommended in ("zero1", "zero2")
@@ -363,7 +365,7 @@ def test_7b_on_80gb_skips_ddp(specs):
 
 def test_recommendation_is_the_first_fitting_strategy(specs):
     for memory in ("16GB", "24GB", "40GB", "80GiB"):
-        inputs = inputs_for(specs["gpt2-large"], gpu_memory=plan.parse_memory(memory))
+        inputs = inputs_for(specs["gpt2-large"], gpu_memory=plan_inputs.parse_memory(memory))
         try:
             result = plan.make_plan(inputs)
         except UsageError:
@@ -381,7 +383,7 @@ def test_cpu_adam_only_runs_offloaded(specs):
 
 
 def test_largest_micro_batch_is_the_boundary(specs):
-    inputs = inputs_for(specs["gpt2-medium"], gpu_memory=plan.parse_memory("24GB"))
+    inputs = inputs_for(specs["gpt2-medium"], gpu_memory=plan_inputs.parse_memory("24GB"))
     result = plan.make_plan(inputs)
     for strategy in ("ddp", "zero1", "zero2"):
         largest = result.largest_micro_batches[strategy]
@@ -395,7 +397,7 @@ def test_largest_micro_batch_grows_with_memory_sharding_and_checkpointing(specs)
     spec = specs["gpt2-medium"]
 
     def largest(strategy, memory="40GB", **overrides):
-        inputs = inputs_for(spec, gpu_memory=plan.parse_memory(memory), **overrides)
+        inputs = inputs_for(spec, gpu_memory=plan_inputs.parse_memory(memory), **overrides)
         return plan.make_plan(inputs).largest_micro_batches[strategy]
 
     by_memory = [largest("zero2", m) for m in ("16GB", "24GB", "40GB", "80GiB")]
