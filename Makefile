@@ -7,7 +7,7 @@ STRATEGY ?= ddp
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpkit-installed
 
-.PHONY: setup finetune test test-fast lint format bench-zero plan gpu-check clean
+.PHONY: setup finetune test test-fast lint format bench-zero gpu-check clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,11 @@ $(STAMP): pyproject.toml
 finetune: setup
 	$(VENV)/bin/accelerate launch --config_file ds_configs/accelerate/$(STRATEGY).yaml --num_processes $(NPROC) \
 		recipes/finetune.py --output-dir runs/finetune --overwrite-output-dir
+
+# DDP vs ZeRO-1 vs ZeRO-2 side by side (plus bare torch/DeepSpeed baselines):
+# memory per rank, throughput, loss equivalence -> bench_results/latest/{results.json,results.md,chart.png}
+bench-zero: setup
+	$(VENV)/bin/dpkit bench --output-dir bench_results/latest
 
 test: setup lint
 	$(PY) -m pytest -ra --durations=15 tests
