@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpkit import memory
+from dpkit import memory, memory_settings
 from dpkit.analytic import full_replication_bytes, model_state_bytes
 from dpkit.memory_report import MemoryReport, error_pct
 from dpkit.memory_walk import Ledger, straddling_params, walk
@@ -209,20 +209,23 @@ def test_tracker_scalars_and_json_round_trip(tmp_path):
 
 
 def test_straddling_parameters_are_found_from_the_partition_layout():
+    # Rank 0 of 2 over a flat buffer [big(70) | pad(2) | small(28)]: partition [0, 50)
+    # holds 50 elements of `big`, whose whole gradient DeepSpeed copies (20 more).
+    flat = torch.zeros(100)
     module = torch.nn.Module()
-    module.big = torch.nn.Parameter(torch.zeros(70))
-    module.small = torch.nn.Parameter(torch.zeros(30))
-    # Rank 1 of 2 over a flat buffer [big(70) | small(30)]: partition [50, 100) holds
-    # 20 elements of `big` (starting at offset 50) and all of `small`.
+    module.big = torch.nn.Parameter(flat[:70])
+    module.small = torch.nn.Parameter(flat[72:])
     zero = SimpleNamespace(
-        params_in_partition=[[module.big, module.small]],
-        partition_size=[50],
-        groups_padding=[0],
-        first_offset=[50],
+        bit16_groups_flat=[flat],
+        parallel_partitioned_bit16_groups=[[flat[:50], flat[50:]]],
+        real_dp_process_group=[None],
+        params_in_partition=[[module.big]],
     )
-    extra, names = straddling_params(zero, module)
-    assert extra == 50  # 70 + 30 elements held for a 50-element partition
-    assert names == ["big"]
+    assert straddling_params(zero, module) == (20, ["big"])
+    # Rank 1 would hold [50, 100): 20 of `big` (50 more copied) and all of `small`.
+    zero.parallel_partitioned_bit16_groups = [[flat[50:], flat[:50]]]
+    zero.params_in_partition = [[module.big, module.small]]
+    assert straddling_params(zero, module) == (50, ["big"])
 
 
 # Single-process DDP and DeepSpeed: a process group of one, in a subprocess.
@@ -308,10 +311,99 @@ def test_deepspeed_world_of_one_finds_zero_partitions(tmp_path, strategy):
     assert row["master"] == pytest.approx(PARAM_BYTES, rel=1e-3)
     assert row["optimizer"] == pytest.approx(2 * PARAM_BYTES, rel=1e-3)
     assert row["params"] == pytest.approx(PARAM_BYTES, rel=1e-3)
-    assert row["grads"] == pytest.approx(PARAM_BYTES, rel=1e-3)
+    # The gradient high-water is the ZeRO step's flat copy next to the gradients it copies.
+    assert row["grads"] == pytest.approx(2 * PARAM_BYTES, rel=1e-3)
+    assert row["high_water_points"]["grads"] == "zero_step_flatten_grads"
+    assert "flat gradient partition (copy made by the ZeRO step)" in row["holders"]["grads"]
+    # What the inner optimizer steps on is one partition's gradient.
+    assert row["phases"]["optimizer_step_begin"]["grads"] == pytest.approx(PARAM_BYTES, rel=1e-3)
     assert "zero_fp32_partition" in row["holders"]["master"]
     assert "zero_flat_params" in row["holders"]["params"]
     assert row["buffers"]["zero_ipg_bucket"] == 4096 * 4
     assert row["settings"]["zero.reduce_bucket_size"] == 4096
     for category in ("params", "optimizer", "master"):
         assert abs(data["error_pct"][category]) < 0.1
+
+
+def test_current_summary_names_the_process_figure_on_cpu():
+    text = memory.current_summary(CPU)
+    assert "rss high-water" in text and "GiB" in text
+
+
+def test_ddp_kwargs_share_gradients_with_the_buckets():
+    kwargs = memory.ddp_kwargs()
+    assert kwargs["gradient_as_bucket_view"] is True
+    # The keys are DistributedDataParallelKwargs fields.
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    DistributedDataParallelKwargs(**kwargs)
+
+
+MINILM = {"num_params": 22_713_986, "hidden_size": 384, "largest_param_numel": 30522 * 384}
+
+
+def test_zero_settings_size_the_bucket_to_the_model_not_deepspeeds_default():
+    settings = memory.zero_memory_settings(**MINILM, world_size=2, stage=2)
+    assert settings["reduce_bucket_size"] == 384 * 384
+    assert settings["allgather_bucket_size"] == 384 * 384
+    # A model smaller than hidden^2 never gets a bucket larger than itself.
+    tiny = memory.zero_memory_settings(1000, 384, world_size=2, stage=2)
+    assert tiny["reduce_bucket_size"] == 1000
+    huge = memory.zero_memory_settings(10**12, 10**6, world_size=8, stage=2)
+    assert huge["reduce_bucket_size"] == 500_000_000
+
+
+def test_zero_settings_follow_the_measurements():
+    cpu2 = memory.zero_memory_settings(**MINILM, world_size=2, stage=2)
+    assert cpu2["overlap_comm"] is False, "on CPU a second bucket that overlaps nothing"
+    # MiniLM's word embedding (51.6% of the model) is reduced last, alone: off.
+    assert cpu2["contiguous_gradients"] is False
+    assert memory.zero_memory_settings(**MINILM, world_size=2, stage=1)["contiguous_gradients"]
+    cuda2 = memory.zero_memory_settings(**MINILM, world_size=2, stage=2, on_cuda=True)
+    assert cuda2["overlap_comm"] is True
+    cuda1 = memory.zero_memory_settings(**MINILM, world_size=2, stage=1, on_cuda=True)
+    assert cuda1["overlap_comm"] is False, "ZeRO-1 would reduce inside backward"
+    # No single parameter dominates a partition: keep contiguous buffers.
+    even = memory.zero_memory_settings(
+        10**9, 4096, world_size=8, stage=2, largest_param_numel=10**7
+    )
+    assert even["contiguous_gradients"] is True
+    assert set(cpu2) <= set(memory_settings.REASONS)
+
+
+@pytest.mark.parametrize("bad", [dict(stage=3), dict(world_size=0)])
+def test_zero_settings_reject_what_they_do_not_cover(bad):
+    args = {"world_size": 2, "stage": 2, **bad}
+    with pytest.raises(ValueError):
+        memory.zero_memory_settings(100, 8, **args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_peak_figures_and_counted_tensors_fit_in_the_allocator_peak():
+    device = torch.device("cuda", torch.cuda.current_device())
+    accelerator = SimpleNamespace(process_index=0, device=device)
+    model = TiedModel(vocab=5000, dim=256).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    memory.track(model, opt)
+    memory.reset_peak(accelerator)
+    try:
+        for _ in range(2):
+            loss = model(torch.randint(0, 5000, (16, 64), device=device)).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        row = memory.measure_rank(accelerator, model, opt)
+    finally:
+        memory.untrack(opt)
+    peak = row["peak"]
+    assert peak["headline"] == "max_allocated"
+    assert 0 < peak["max_allocated"] <= peak["max_reserved"] <= peak["device_capacity"]
+    assert 0 < peak["max_allocated_pct"] < 100
+    assert peak["num_alloc_retries"] >= 0 and peak["num_ooms"] == 0
+    param_bytes = _nbytes({id(p): p for p in model.parameters()}.values())
+    assert row["params"] == row["grads"] == param_bytes
+    # Everything counted at one moment was allocated at once: it fits under the peak.
+    assert row["largest_moment"]["total"] <= peak["max_allocated"]
+    assert row["activations"] > 0
+    assert "GiB" in memory.current_summary(accelerator)
