@@ -129,6 +129,13 @@ def quiet_libraries(is_main_process: bool) -> None:
         transformers.logging.set_verbosity_error()
 
 
+def exit_usage(err: UsageError) -> None:
+    """One line for the job (not one per rank) and exit code 2."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"finetune.py: error: {err}", file=sys.stderr, flush=True)
+    raise SystemExit(EXIT_USAGE) from None
+
+
 def main() -> None:
     model_cfg, data_cfg, train_cfg = parse_finetune_args()
     try:
@@ -142,9 +149,7 @@ def main() -> None:
                 f"--max-seq-length={model_cfg.max_seq_length}: over the model's limit of {limit} positions"
             )
     except UsageError as err:
-        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
-            print(f"finetune.py: error: {err}", file=sys.stderr, flush=True)
-        raise SystemExit(EXIT_USAGE) from None
+        exit_usage(err)
 
     import evaluate
     from accelerate.utils import set_seed
@@ -157,18 +162,21 @@ def main() -> None:
         world_size,
         train_cfg.gradient_accumulation_steps,
     )
-    strategy = build_accelerator(
-        choice,
-        precision=precision,
-        micro_batch_size=train_cfg.micro_batch_size,
-        gradient_accumulation_steps=train_cfg.gradient_accumulation_steps,
-        max_grad_norm=train_cfg.max_grad_norm,
-        hidden_size=getattr(hf_config, "hidden_size", None),
-        learning_rate=learning_rate,
-        weight_decay=train_cfg.weight_decay,
-        log_with=None if train_cfg.report_to == "none" else train_cfg.report_to,
-        project_dir=train_cfg.output_dir,
-    )
+    try:  # a DeepSpeed JSON value that contradicts the flags is found here, before the group
+        strategy = build_accelerator(
+            choice,
+            precision=precision,
+            micro_batch_size=train_cfg.micro_batch_size,
+            gradient_accumulation_steps=train_cfg.gradient_accumulation_steps,
+            max_grad_norm=train_cfg.max_grad_norm,
+            hidden_size=getattr(hf_config, "hidden_size", None),
+            learning_rate=learning_rate,
+            weight_decay=train_cfg.weight_decay,
+            log_with=None if train_cfg.report_to == "none" else train_cfg.report_to,
+            project_dir=train_cfg.output_dir,
+        )
+    except UsageError as err:
+        exit_usage(err)
     accelerator = strategy.accelerator
     logging.basicConfig(
         format="%(asctime)s %(name)s: %(message)s",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.harness import SHORT_RUN, accelerate_cmd, deepspeed_cmd, python_cmd, run
+from tests.harness import REPO, SHORT_RUN, accelerate_cmd, deepspeed_cmd, python_cmd, run
 
 pytestmark = pytest.mark.multiprocess
 
@@ -56,3 +58,14 @@ def test_accelerate_cpu_flag_with_several_processes_says_what_to_use(tmp_path):
     cmd = accelerate_cmd(["--cpu", "--num_processes", "2"], *SHORT_RUN, "--output-dir", str(out))
     result = run(cmd)
     _assert_refused(result, "use `accelerate launch --multi_gpu --num_processes N`", out)
+
+
+def test_deepspeed_json_value_that_contradicts_the_flags(tmp_path):
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
+    config["train_micro_batch_size_per_gpu"] = 4
+    path = tmp_path / "my_zero2.json"
+    path.write_text(json.dumps(config))
+    out = tmp_path / "run"
+    result = run(python_cmd(*SHORT_RUN, "--deepspeed", str(path), "--output-dir", str(out)))
+    assert result.returncode == 2
+    _assert_refused(result, "train_micro_batch_size_per_gpu=4 disagrees with the recipe's 16", out)
