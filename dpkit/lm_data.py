@@ -312,5 +312,31 @@ def append_jsonl(path: Path, record: dict[str, Any]) -> None:
         f.write(json.dumps(record) + "\n")
 
 
+def log_bare_step(
+    out: Path,
+    *,
+    step: int,
+    mean_loss: float,
+    workload: Any,
+    tokens_per_rank: int,
+    step_time_s: float,
+    step_cpu_s: float,
+) -> None:
+    """One line of the bare baselines' train_log.jsonl (the recipes' format) and of their log."""
+    record = {
+        "step": step,
+        "loss": mean_loss,
+        "lr": workload.learning_rate,
+        "step_time_s": step_time_s,
+        "step_cpu_s": step_cpu_s,
+        "tokens_per_rank": tokens_per_rank,
+        "samples_per_rank": workload.micro_batch_size,
+    }
+    append_jsonl(out / "train_log.jsonl", record)
+    print(
+        f"step {step}/{workload.max_steps} | loss {mean_loss:.4f} | {step_time_s:.2f} s", flush=True
+    )
+
+
 def write_json(path: Path, payload: dict[str, Any]) -> None:
     path.write_text(json.dumps(payload, indent=2) + "\n")

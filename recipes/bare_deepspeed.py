@@ -74,19 +74,14 @@ def main() -> None:
         mean_loss = mean_loss.item() / world_size
         now, now_cpu = time.perf_counter(), time.process_time()
         if rank == 0:
-            record = {
-                "step": step,
-                "loss": mean_loss,
-                "lr": workload.learning_rate,
-                "step_time_s": now - last,
-                "step_cpu_s": now_cpu - last_cpu,
-                "tokens_per_rank": tokens_per_rank,
-                "samples_per_rank": workload.micro_batch_size,
-            }
-            lm_data.append_jsonl(out / "train_log.jsonl", record)
-            print(
-                f"step {step}/{workload.max_steps} | loss {mean_loss:.4f} | {now - last:.2f} s",
-                flush=True,
+            lm_data.log_bare_step(
+                out,
+                step=step,
+                mean_loss=mean_loss,
+                workload=workload,
+                tokens_per_rank=tokens_per_rank,
+                step_time_s=now - last,
+                step_cpu_s=now_cpu - last_cpu,
             )
         last, last_cpu = time.perf_counter(), time.process_time()
     # Without this, gloo's threads are still running at interpreter exit and a rank
