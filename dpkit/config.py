@@ -115,7 +115,9 @@ class DataConfig:
 
 
 @dataclass
-class TrainConfig:
+class StrategyConfig:
+    """How the run is distributed and at what precision: the flags every dpkit recipe shares."""
+
     strategy: str = field(
         default="auto",
         metadata={
@@ -130,6 +132,26 @@ class TrainConfig:
         metadata={"help": "DeepSpeed JSON (as `deepspeed ... --deepspeed ds_configs/zero2.json`)."},
     )
     """DeepSpeed JSON config; its ``"auto"`` values are filled from these arguments."""
+    mixed_precision: str | None = field(
+        default=None,
+        metadata={
+            "help": "no, bf16 (CPU and GPU) or fp16 (GPU). Default: the launcher's, else no.",
+            "choices": PRECISION_CHOICES,
+        },
+    )
+    """Mixed precision; ``None`` takes the launcher's setting."""
+
+    def __post_init__(self) -> None:
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
+        if self.deepspeed is not None and self.strategy == "ddp":
+            raise UsageError(
+                f"--strategy=ddp conflicts with --deepspeed={self.deepspeed!r}: drop one of them"
+            )
+
+
+@dataclass
+class TrainConfig:
     micro_batch_size: int = field(default=32, metadata={"help": "Examples per process per step."})
     """Examples per process per forward/backward."""
     gradient_accumulation_steps: int = field(
@@ -167,14 +189,6 @@ class TrainConfig:
         default=42, metadata={"help": "Seed for weights init, dropout and shuffling."}
     )
     """Training seed (model head init, dropout, data order)."""
-    mixed_precision: str | None = field(
-        default=None,
-        metadata={
-            "help": "no, bf16 (CPU and GPU) or fp16 (GPU). Default: the launcher's, else no.",
-            "choices": PRECISION_CHOICES,
-        },
-    )
-    """Mixed precision; ``None`` takes the launcher's setting."""
     output_dir: str = field(default="runs/finetune", metadata={"help": "Run directory."})
     """Run directory: resolved config, metrics, memory report, final model."""
     overwrite_output_dir: bool = field(
@@ -237,12 +251,6 @@ class TrainConfig:
             self.memory_report_steps,
             "must be >= 0",
         )
-        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
-        if self.deepspeed is not None and self.strategy == "ddp":
-            raise UsageError(
-                f"--strategy=ddp conflicts with --deepspeed={self.deepspeed!r}: drop one of them"
-            )
         self._check_output_dir()
 
     def _check_output_dir(self) -> None:
@@ -259,18 +267,18 @@ class TrainConfig:
 
 def parse_finetune_args(
     argv: list[str] | None = None,
-) -> tuple[ModelConfig, DataConfig, TrainConfig]:
+) -> tuple[ModelConfig, DataConfig, StrategyConfig, TrainConfig]:
     """Parse the recipe's command line; bad input exits with one line and code 2."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((ModelConfig, DataConfig, TrainConfig))
+    parser = HfArgumentParser((ModelConfig, DataConfig, StrategyConfig, TrainConfig))
     try:
-        model_cfg, data_cfg, train_cfg = parser.parse_args_into_dataclasses(args=argv)
+        model_cfg, data_cfg, strategy_cfg, train_cfg = parser.parse_args_into_dataclasses(args=argv)
     except UsageError as err:
         prog = Path(sys.argv[0]).name
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(EXIT_USAGE) from None
-    return model_cfg, data_cfg, train_cfg
+    return model_cfg, data_cfg, strategy_cfg, train_cfg
 
 
 def config_dict(*configs: object) -> dict:

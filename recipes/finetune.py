@@ -137,11 +137,11 @@ def exit_usage(err: UsageError) -> None:
 
 
 def main() -> None:
-    model_cfg, data_cfg, train_cfg = parse_finetune_args()
+    model_cfg, data_cfg, strategy_cfg, train_cfg = parse_finetune_args()
     try:
         # Everything that can be wrong with the input is found here, before any process group.
-        choice = resolve_strategy(train_cfg.strategy, train_cfg.deepspeed)
-        precision = resolve_precision(train_cfg.mixed_precision)
+        choice = resolve_strategy(strategy_cfg.strategy, strategy_cfg.deepspeed)
+        precision = resolve_precision(strategy_cfg.mixed_precision)
         model_path, hf_config = load_model_config(model_cfg.model)
         limit = max_positions(hf_config)
         if limit is not None and model_cfg.max_seq_length > limit:
@@ -187,7 +187,7 @@ def main() -> None:
     quiet_libraries(accelerator.is_main_process)
     set_seed(train_cfg.seed, device_specific=True)
     run = RunOutput(train_cfg.output_dir, accelerator.is_main_process)
-    run.start(config_dict(model_cfg, data_cfg, train_cfg))
+    run.start(config_dict(model_cfg, data_cfg, strategy_cfg, train_cfg))
 
     # Data.
     tokenizer = AutoTokenizer.from_pretrained(model_path)

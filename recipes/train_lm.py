@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from dpkit import lm_data, memory
-from dpkit.config import config_dict
+from dpkit.config import StrategyConfig, config_dict
 from dpkit.errors import EXIT_USAGE, UsageError
 from dpkit.models import count_parameters
 from dpkit.run_output import RunOutput
@@ -45,26 +45,9 @@ logger = logging.getLogger("dpkit.train_lm")
 
 @dataclass
 class LMTrainOptions:
-    """dpkit's side of the run: strategy, precision, logging. The workload is in LMWorkload."""
+    """dpkit's side of the run beyond the strategy (StrategyConfig): accumulation, probes,
+    logging. The workload is in LMWorkload."""
 
-    strategy: str = field(
-        default="auto",
-        metadata={
-            "help": "ddp, zero1 or zero2; auto follows the launcher (DeepSpeed config) or is ddp.",
-            "choices": ["auto", "ddp", "zero1", "zero2"],
-        },
-    )
-    """Data-parallel strategy; ``auto`` follows the launcher."""
-    deepspeed: str | None = field(
-        default=None, metadata={"help": 'DeepSpeed JSON (its "auto" values are filled).'}
-    )
-    """DeepSpeed JSON config, as ``deepspeed ... --deepspeed ds_configs/zero2.json`` passes it."""
-    mixed_precision: str | None = field(
-        default=None,
-        metadata={"help": "no, bf16 or fp16 (GPU). Default: the launcher's, else no.",
-                  "choices": ["no", "bf16", "fp16"]},
-    )  # fmt: skip
-    """Mixed precision; ``None`` takes the launcher's setting."""
     gradient_accumulation_steps: int = field(
         default=1, metadata={"help": "Micro-steps per optimizer step."}
     )
@@ -99,8 +82,6 @@ class LMTrainOptions:
             raise UsageError(f"--logging-steps={self.logging_steps}: must be > 0")
         if self.memory_probe_steps < -1:
             raise UsageError(f"--memory-probe-steps={self.memory_probe_steps}: must be >= -1")
-        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
 
 
 def check_output_dir(workload: lm_data.LMWorkload, options: LMTrainOptions) -> None:
@@ -113,11 +94,13 @@ def check_output_dir(workload: lm_data.LMWorkload, options: LMTrainOptions) -> N
 
 
 def main() -> None:
-    workload, options = lm_data.parse_args((lm_data.LMWorkload, LMTrainOptions))
+    workload, strategy_cfg, options = lm_data.parse_args(
+        (lm_data.LMWorkload, StrategyConfig, LMTrainOptions)
+    )
     try:
         # Everything that can be wrong with the input is found here, before any process group.
-        choice = resolve_strategy(options.strategy, options.deepspeed)
-        precision = resolve_precision(options.mixed_precision)
+        choice = resolve_strategy(strategy_cfg.strategy, strategy_cfg.deepspeed)
+        precision = resolve_precision(strategy_cfg.mixed_precision)
         hf_config = lm_data.model_config(workload)
         check_output_dir(workload, options)
     except UsageError as err:
@@ -156,7 +139,7 @@ def main() -> None:
     if not accelerator.is_main_process:
         transformers.logging.set_verbosity_error()
     run = RunOutput(workload.output_dir, accelerator.is_main_process)
-    run.start(config_dict(workload, options))
+    run.start(config_dict(workload, strategy_cfg, options))
 
     # Data: blocks in a fixed seeded order; accelerate hands micro-batch i to rank i % N.
     dataset = lm_data.token_blocks(workload, hf_config.vocab_size)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpkit.config import DataConfig, ModelConfig, TrainConfig, parse_finetune_args
+from dpkit.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig, parse_finetune_args
 from dpkit.errors import UsageError
 
 
@@ -16,7 +16,7 @@ from dpkit.errors import UsageError
         (TrainConfig, {"learning_rate": 0.0}, "--learning-rate=0.0"),
         (TrainConfig, {"max_steps": 0}, "--max-steps=0"),
         (TrainConfig, {"warmup_ratio": 1.5}, "--warmup-ratio=1.5"),
-        (TrainConfig, {"deepspeed": "missing.json"}, "--deepspeed='missing.json': no such file"),
+        (StrategyConfig, {"deepspeed": "missing.json"}, "--deepspeed='missing.json': no such file"),
         (ModelConfig, {"max_seq_length": -5}, "--max-seq-length=-5"),
         (ModelConfig, {"dropout": 1.0}, "--dropout=1.0"),
         (DataConfig, {"dataset": "nope.csv"}, "--dataset='nope.csv': no such file"),
@@ -33,7 +33,7 @@ def test_bad_values_name_field_and_value(cls, kwargs, message, tmp_path):
 
 def test_ddp_with_deepspeed_config_conflicts(tmp_path):
     with pytest.raises(UsageError, match="--strategy=ddp conflicts with --deepspeed"):
-        TrainConfig(strategy="ddp", deepspeed="ds_configs/zero2.json", output_dir=str(tmp_path))
+        StrategyConfig(strategy="ddp", deepspeed="ds_configs/zero2.json")
 
 
 def test_output_dir_holding_a_run_is_not_overwritten(tmp_path):
@@ -54,7 +54,7 @@ def test_command_line_exits_2_with_one_line(capsys, tmp_path):
 
 
 def test_dash_and_underscore_flags_and_deepspeed_local_rank(tmp_path):
-    model, data, train = parse_finetune_args(
+    model, data, strategy, train = parse_finetune_args(
         [
             "--micro_batch_size",
             "4",
