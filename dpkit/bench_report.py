@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.analytic import model_state_bytes
+from dpkit.run_output import read_jsonl
 
 CATEGORIES = ("params", "grads", "optimizer", "master", "buffers")
 MIB = 1024.0**2
@@ -108,10 +109,6 @@ def machine_description(env: dict[str, str] | None = None) -> dict[str, Any]:
 
 
 # ---- one run --------------------------------------------------------------------------------
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def summarize_steps(records: list[dict[str, Any]], warmup: int, world_size: int) -> dict[str, Any]:

@@ -22,7 +22,6 @@ reads :data:`MODEL_SIZES` without paying for them.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.errors import EXIT_USAGE, UsageError
+from dpkit.run_output import RunOutput
 
 BYTE_VOCAB = 256
 
@@ -307,11 +307,6 @@ def rank_batches(
 # ---- run output shared with the bare scripts ------------------------------------------------
 
 
-def append_jsonl(path: Path, record: dict[str, Any]) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
 def log_bare_step(
     out: Path,
     *,
@@ -332,11 +327,7 @@ def log_bare_step(
         "tokens_per_rank": tokens_per_rank,
         "samples_per_rank": workload.micro_batch_size,
     }
-    append_jsonl(out / "train_log.jsonl", record)
+    RunOutput(str(out), is_main_process=True).append_jsonl("train_log.jsonl", record)
     print(
         f"step {step}/{workload.max_steps} | loss {mean_loss:.4f} | {step_time_s:.2f} s", flush=True
     )
-
-
-def write_json(path: Path, payload: dict[str, Any]) -> None:
-    path.write_text(json.dumps(payload, indent=2) + "\n")

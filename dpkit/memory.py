@@ -40,6 +40,7 @@ from dpkit.memory_walk import (
     unwrap_optimizer,
     walk,
 )
+from dpkit.models import count_parameters
 
 __all__ = [
     "MemoryReport",
@@ -85,15 +86,8 @@ def untrack(optimizer: Any) -> None:
 
 
 def count_params(model: torch.nn.Module) -> int:
-    """Trainable parameters, each tensor once (tied weights are one parameter)."""
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
-    total = 0
-    for param in unwrap_module(model).parameters():
-        key = (param.data_ptr(), param.numel(), tuple(param.shape))
-        if param.requires_grad and key not in seen:
-            seen.add(key)
-            total += param.numel()
-    return total
+    """Trainable parameters of the unwrapped module, each once (tied weights are one parameter)."""
+    return count_parameters(unwrap_module(model), trainable_only=True)
 
 
 def largest_param(model: torch.nn.Module) -> dict[str, Any] | None:

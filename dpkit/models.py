@@ -50,9 +50,9 @@ def max_positions(config) -> int | None:
     return None
 
 
-def count_parameters(model) -> int:
+def count_parameters(model, trainable_only: bool = False) -> int:
     """Distinct parameters: ``parameters()`` yields a tied (shared) parameter once.
 
     Not deduplicated by ``data_ptr``, which is 0 for every tensor on the meta device.
     """
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

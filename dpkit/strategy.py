@@ -388,11 +388,12 @@ class PreparedStrategy:
         if self.ds_config is None:
             return {}
         from dpkit.memory_settings import zero_memory_settings
+        from dpkit.models import count_parameters
 
         params = list(model.parameters())
         hidden = getattr(getattr(model, "config", None), "hidden_size", None)
         settings = zero_memory_settings(
-            sum(p.numel() for p in params),
+            count_parameters(model),
             hidden,
             world_size=self.choice.expected_world_size,
             stage=self.choice.zero_stage,

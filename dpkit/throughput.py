@@ -19,14 +19,16 @@ class Throughput:
     _samples: int = 0
     _start: float = field(default_factory=time.perf_counter)
 
-    def update(self, tokens: int, samples: int) -> None:
-        self._tokens += int(tokens)
+    def update(self, tokens, samples: int) -> None:
+        """``tokens`` may be a device tensor: it is summed on the device and read
+        only in :meth:`rates`, so counting costs no host sync per micro-step."""
+        self._tokens = self._tokens + tokens
         self._samples += int(samples)
 
     def rates(self) -> dict[str, float]:
         now = time.perf_counter()
         elapsed = max(now - self._start, 1e-9)
-        per_rank_tokens = self._tokens / elapsed
+        per_rank_tokens = float(self._tokens) / elapsed
         per_rank_samples = self._samples / elapsed
         self._tokens, self._samples, self._start = 0, 0, now
         return {

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dpkit import lm_data
+from dpkit.run_output import RunOutput
 
 
 @dataclass
@@ -58,7 +59,7 @@ def main() -> None:
     }
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if rank == 0:
-        lm_data.write_json(out / "ds_config.json", ds_config)
+        RunOutput(str(out), is_main_process=True).write_json("ds_config.json", ds_config)
 
     tokens_per_rank = workload.micro_batch_size * workload.seq_len
     batches = lm_data.rank_batches(dataset, workload.micro_batch_size, rank, world_size)

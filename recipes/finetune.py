@@ -287,7 +287,7 @@ def main() -> None:
                     )
                 optimizer.step()
                 optimizer.zero_grad()
-            throughput.update(batch["attention_mask"].sum().item(), batch["labels"].numel())
+            throughput.update(batch["attention_mask"].sum(), batch["labels"].numel())
             window_loss.append(loss.detach().float())
             if not accelerator.sync_gradients:
                 continue

@@ -16,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dpkit.run_output import read_jsonl
+
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 RECIPE = "recipes/finetune.py"
@@ -54,8 +56,7 @@ class Launch:
         return json.loads((self.output_dir / name).read_text())
 
     def _jsonl(self, name: str) -> list[dict]:
-        lines = (self.output_dir / name).read_text().splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
+        return read_jsonl(self.output_dir / name)
 
     @property
     def run_info(self) -> dict:
