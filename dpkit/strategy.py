@@ -292,6 +292,27 @@ def _walk(node: Any, prefix: str = ""):
         yield prefix.rstrip("."), node
 
 
+def skip_deepspeed_cpu_shm_op() -> None:
+    """Keep DeepSpeed's CPU backend from building and mapping its shared-memory all-reduce.
+
+    Training never calls it (only ``inference_all_reduce`` does), yet under the
+    ``deepspeed`` launcher it JIT-compiles a C++ op on first use and writes a 66 MB
+    ``/dev/shm/deepspeed_allreduce_buffer_*`` segment per rank that it never unlinks.
+    Measured here: leaked segments filled a 24 GiB machine's RAM, a rank was killed
+    while holding the compile lock, and every later DeepSpeed run hung in its init.
+    Call before DeepSpeed's comm backend starts.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        # DeepSpeed's own switch: an op marked incompatible is never built or loaded.
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -525,6 +546,7 @@ def build_accelerator(
         # accelerate YAML) were read by resolve_strategy/resolve_precision and are in
         # the resolved dict; accelerate would refuse them next to a config file.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        skip_deepspeed_cpu_shm_op()
         plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(ds_config))
     else:
         # Gradients as views into DDP's reduction buckets: one gradient copy, not two.

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dpkit import lm_data
 from dpkit.run_output import RunOutput
+from dpkit.strategy import skip_deepspeed_cpu_shm_op
 
 
 @dataclass
@@ -34,6 +35,9 @@ class BareOptions:
 
 def main() -> None:
     workload, options = lm_data.parse_args((lm_data.LMWorkload, BareOptions))
+    # Not part of the measured baseline (training never uses it): on CPU DeepSpeed would
+    # compile a shared-memory op and leak 66 MB of /dev/shm per rank and run.
+    skip_deepspeed_cpu_shm_op()
     deepspeed.init_distributed()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     out = Path(workload.output_dir)

@@ -3,8 +3,21 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
+
+SHM = Path("/dev/shm")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_shared_memory_leaks():
+    """Fail the session if any run left DeepSpeed's /dev/shm segments behind (66 MB each)."""
+    before = set(SHM.glob("deepspeed_*")) if SHM.is_dir() else set()
+    yield
+    after = set(SHM.glob("deepspeed_*")) if SHM.is_dir() else set()
+    leaked = sorted(p.name for p in after - before)
+    assert not leaked, f"runs left {len(leaked)} DeepSpeed /dev/shm segments: {leaked[:4]}"
 
 
 @pytest.hookimpl(hookwrapper=True)

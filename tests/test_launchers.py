@@ -8,6 +8,7 @@ intended strategy, world size and backend really ran.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +76,15 @@ def launched(tmp_path_factory):
         return _cache[name]
 
     return get
+
+
+def test_deepspeed_launcher_run_leaves_no_shared_memory_behind(launched):
+    """DeepSpeed's CPU backend writes 66 MB per rank to /dev/shm and never unlinks it;
+    runs that leaked it filled a 24 GiB machine's RAM and hung later runs in their init."""
+    result = launched("deepspeed_zero2")
+    port = result.cmd[result.cmd.index("--master_port") + 1]
+    leaked = sorted(p.name for p in Path("/dev/shm").glob(f"deepspeed_allreduce_buffer_*_{port}_*"))
+    assert leaked == []
 
 
 @pytest.mark.parametrize("name", list(LAUNCHES))
