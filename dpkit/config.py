@@ -6,10 +6,13 @@ bad input costs one line and exit code 2, never a half-started job.
 
 from __future__ import annotations
 
+import difflib
+import math
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import NoReturn
 
 from dpkit.errors import EXIT_USAGE, UsageError
 
@@ -26,6 +29,16 @@ DEFAULT_DATASET = "rotten-tomatoes-snippets"
 def _require(condition: bool, field_name: str, value: object, expectation: str) -> None:
     if not condition:
         raise UsageError(f"--{field_name.replace('_', '-')}={value!r}: {expectation}")
+
+
+def _require_choice(cfg: object, field_name: str, choices: tuple[str, ...]) -> None:
+    """The command line checks choices itself; this covers configs built in code."""
+    value = getattr(cfg, field_name)
+    _require(value in choices, field_name, value, f"not one of {', '.join(choices)}")
+
+
+# numpy's seeding (accelerate's set_seed, datasets' splits) takes 0 <= seed < 2**32.
+MAX_SEED = 2**32 - 1
 
 
 @dataclass
@@ -106,6 +119,9 @@ class DataConfig:
         for name in ("validation_fraction", "test_fraction"):
             value = getattr(self, name)
             _require(0.0 < value < 0.5, name, value, "must be in (0, 0.5)")
+        _require(
+            0 <= self.split_seed <= MAX_SEED, "split_seed", self.split_seed, "must be in [0, 2**32)"
+        )
         for name in ("max_train_samples", "max_eval_samples"):
             value = getattr(self, name)
             _require(value is None or value > 0, name, value, "must be > 0")
@@ -142,6 +158,9 @@ class StrategyConfig:
     """Mixed precision; ``None`` takes the launcher's setting."""
 
     def __post_init__(self) -> None:
+        _require_choice(self, "strategy", STRATEGY_CHOICES)
+        if self.mixed_precision is not None:
+            _require_choice(self, "mixed_precision", PRECISION_CHOICES)
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
             raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
         if self.deepspeed is not None and self.strategy == "ddp":
@@ -219,6 +238,25 @@ class TrainConfig:
         default=True, metadata={"help": "Save the final model (save_pretrained)."}
     )
     """Write the final model as a Hugging Face folder in ``<output_dir>/model``."""
+    save_steps: int = field(
+        default=100,
+        metadata={
+            "help": "Save the full training state every N steps (and at the end); 0 = end only."
+        },
+    )
+    """Checkpoint cadence in optimizer steps; a checkpoint is always written at the end."""
+    save_total_limit: int = field(
+        default=2, metadata={"help": "Keep the last N checkpoints; 0 = keep all."}
+    )
+    """How many complete checkpoints to keep (oldest deleted after a newer one is complete)."""
+    resume: str | None = field(
+        default=None,
+        metadata={
+            "help": "Resume: 'latest' (must exist), 'auto' (latest if any, else start fresh), "
+            "or a checkpoint folder."
+        },
+    )
+    """Checkpoint to continue from; any strategy and world size with the same global batch."""
     local_rank: int = field(
         default=-1, metadata={"help": "Set by the deepspeed launcher; ignored."}
     )
@@ -234,7 +272,16 @@ class TrainConfig:
         for name in positive:
             value = getattr(self, name)
             _require(value > 0, name, value, "must be > 0")
-        _require(self.learning_rate > 0, "learning_rate", self.learning_rate, "must be > 0")
+        _require(
+            math.isfinite(self.learning_rate) and self.learning_rate > 0,
+            "learning_rate",
+            self.learning_rate,
+            "must be > 0",
+        )
+        _require(0 <= self.seed <= MAX_SEED, "seed", self.seed, "must be in [0, 2**32)")
+        _require_choice(self, "scale_lr", SCALE_LR_CHOICES)
+        _require_choice(self, "lr_scheduler", SCHEDULER_CHOICES)
+        _require_choice(self, "report_to", REPORT_TO_CHOICES)
         _require(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _require(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "must be >= 0")
         _require(0 <= self.warmup_ratio < 1, "warmup_ratio", self.warmup_ratio, "must be in [0, 1)")
@@ -245,6 +292,10 @@ class TrainConfig:
             "must be > 0 or -1",
         )
         _require(self.eval_steps >= 0, "eval_steps", self.eval_steps, "must be >= 0")
+        _require(self.save_steps >= 0, "save_steps", self.save_steps, "must be >= 0")
+        _require(
+            self.save_total_limit >= 0, "save_total_limit", self.save_total_limit, "must be >= 0"
+        )
         _require(
             self.memory_report_steps >= 0,
             "memory_report_steps",
@@ -258,7 +309,13 @@ class TrainConfig:
         if out.exists() and not out.is_dir():
             raise UsageError(f"--output-dir={self.output_dir!r}: exists and is not a directory")
         holds_run = out.is_dir() and (out / "run_config.json").exists()
-        if holds_run and not self.overwrite_output_dir:
+        # Resuming this directory's own checkpoints continues its run; anything else
+        # writing into it needs the explicit flag.
+        resumes_own_run = self.resume in ("latest", "auto") or (
+            self.resume is not None
+            and Path(self.resume).resolve().is_relative_to((out / "checkpoints").resolve())
+        )
+        if holds_run and not self.overwrite_output_dir and not resumes_own_run:
             raise UsageError(
                 f"--output-dir={self.output_dir!r}: holds another run; pass --overwrite-output-dir "
                 "or choose a new directory"
@@ -271,14 +328,38 @@ def parse_finetune_args(
     """Parse the recipe's command line; bad input exits with one line and code 2."""
     from transformers import HfArgumentParser
 
-    parser = HfArgumentParser((ModelConfig, DataConfig, StrategyConfig, TrainConfig))
+    config_classes = (ModelConfig, DataConfig, StrategyConfig, TrainConfig)
+    parser = HfArgumentParser(config_classes)
+
+    def exit_one_line(message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+            print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE)
+
+    # argparse's own errors (a bad int, --strategy zero3) without the whole usage first.
+    parser.error = exit_one_line
     try:
+        _, remaining = parser.parse_known_args(args=argv)
+        if remaining:
+            raise _unknown_argument(remaining, config_classes)
         model_cfg, data_cfg, strategy_cfg, train_cfg = parser.parse_args_into_dataclasses(args=argv)
     except UsageError as err:
-        prog = Path(sys.argv[0]).name
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        raise SystemExit(EXIT_USAGE) from None
+        exit_one_line(str(err))
     return model_cfg, data_cfg, strategy_cfg, train_cfg
+
+
+def _unknown_argument(remaining: list[str], config_classes: tuple[type, ...]) -> UsageError:
+    """What HfArgumentParser would raise as a bare ValueError, with the closest flag."""
+    flag, _, value = remaining[0].partition("=")
+    if not flag.startswith("-"):
+        return UsageError(f"{flag!r}: unexpected argument (flags take the form --name value)")
+    if not value and len(remaining) > 1 and not remaining[1].startswith("-"):
+        value = remaining[1]
+    flags = [f"--{f.name.replace('_', '-')}" for cls in config_classes for f in fields(cls)]
+    close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    shown = f"{flag}={value}" if value else flag
+    return UsageError(f"{shown}: not a flag of this recipe{hint}")
 
 
 def config_dict(*configs: object) -> dict:

@@ -140,6 +140,8 @@ def load_classification_splits(
         try:
             raw = datasets.load_dataset(kind, data_files=dataset)
         except Exception as err:  # datasets' parsers raise many types; the message says why
+            if "corresponds to no data" in str(err):  # a header and no rows
+                raise UsageError(f"--dataset={dataset!r}: has no examples") from None
             raise UsageError(
                 f"--dataset={dataset!r}: cannot read it as {kind} ({type(err).__name__}: {err})"
             ) from None
@@ -169,6 +171,8 @@ def load_classification_splits(
     if label_column != "label":
         raw = raw.rename_column(label_column, "label")
     raw = raw.filter(lambda ex: ex["text"] is not None and ex["label"] is not None)
+    if sum(len(split) for split in raw.values()) == 0:
+        raise UsageError(f"--dataset={dataset!r}: no example has both a text and a label")
 
     feature = first.features.get(label_column)
     if label_names is None and isinstance(feature, datasets.ClassLabel):
@@ -187,8 +191,73 @@ def load_classification_splits(
     if len(label_names) < 2:
         raise UsageError(f"--dataset={dataset!r}: needs at least 2 classes, found {label_names}")
 
-    splits = _ensure_splits(raw, validation_fraction, test_fraction, split_seed)
+    try:
+        splits = _ensure_splits(raw, validation_fraction, test_fraction, split_seed)
+    except ValueError:  # datasets: a split would be empty
+        examples = sum(len(split) for split in raw.values())
+        raise UsageError(
+            f"--dataset={dataset!r}: {examples} examples are too few for train, validation "
+            f"({validation_fraction}) and test ({test_fraction}) splits"
+        ) from None
     return splits, label_names
+
+
+def is_sequence_classifier(model_config) -> bool:
+    """Whether the model already has a classification head (its labels are then fixed)."""
+    return any(
+        name.endswith("ForSequenceClassification")
+        for name in getattr(model_config, "architectures", None) or []
+    )
+
+
+def check_classification_data(model_cfg, data_cfg, train_cfg, model_config) -> list[str]:
+    """Load the data as the recipe will and check it, before any process group starts.
+
+    Beyond what :func:`load_classification_splits` refuses (a missing column, no
+    examples, negative labels, too few examples to split), the data must fit the
+    model: a model that already has a classification head takes exactly its own
+    number of classes. Training needs one full micro-batch (the last incomplete
+    batch is dropped). Returns the label names.
+    """
+    import datasets
+
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # the recipe's own loading shows them, once
+    try:
+        splits, label_names = load_classification_splits(
+            data_cfg.dataset,
+            text_column=data_cfg.text_column,
+            label_column=data_cfg.label_column,
+            validation_fraction=data_cfg.validation_fraction,
+            test_fraction=data_cfg.test_fraction,
+            split_seed=data_cfg.split_seed,
+        )
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+    classes = model_config.num_labels
+    if is_sequence_classifier(model_config) and len(label_names) != classes:
+        # The recipe builds the head for the data's classes; a trained head has its own.
+        numbered = label_names == [str(i) for i in range(len(label_names))]
+        if numbered and len(label_names) > classes:
+            found = f"label {len(label_names) - 1} is outside the classes 0..{classes - 1} of"
+        else:
+            found = f"{len(label_names)} classes do not fit the {classes} labels of"
+        raise UsageError(
+            f"--dataset={data_cfg.dataset!r}: {found} --model={model_cfg.model!r} (a sequence "
+            f"classifier); use data with {classes} classes or a model without a classification head"
+        )
+
+    train_examples = len(splits["train"])
+    if data_cfg.max_train_samples:
+        train_examples = min(train_examples, data_cfg.max_train_samples)
+    if not train_cfg.eval_only and train_cfg.micro_batch_size > train_examples:
+        raise UsageError(
+            f"--micro-batch-size={train_cfg.micro_batch_size}: more than the {train_examples} "
+            "training examples; the incomplete batch is dropped, so nothing would train"
+        )
+    return label_names
 
 
 def _ensure_splits(raw, validation_fraction: float, test_fraction: float, seed: int):

@@ -8,7 +8,8 @@ Layout of ``<output_dir>``::
     train_log.jsonl     one line per optimizer step: loss (mean over ranks), lr, grad norm
     metrics.jsonl       one line per evaluation
     memory_report.json  the per-rank memory report
-    model/              the final model (save_pretrained, safetensors) and tokenizer
+    model/              the final model (save_pretrained, safetensors, fp32) and tokenizer
+    checkpoints/        the full training state every --save-steps (see dpkit.checkpoint)
 
 Only the main process writes; every method is a no-op elsewhere.
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +47,28 @@ class RunOutput:
         self.path = Path(output_dir)
         self.is_main = is_main_process
 
-    def start(self, run_config: dict) -> None:
-        """Create the directory, clear a previous run's logs (only reached with
-        --overwrite-output-dir, checked at argument parsing), write the config."""
+    def start(self, run_config: dict, resume_step: int | None = None) -> None:
+        """Create the directory and write the config.
+
+        A fresh run clears a previous run's logs and checkpoints (only reached with
+        --overwrite-output-dir, checked at argument parsing). A resumed run keeps its
+        logs up to ``resume_step`` and drops what the interrupted run logged after it.
+        """
         if not self.is_main:
             return
         self.path.mkdir(parents=True, exist_ok=True)
-        for name in _RUN_FILES:
-            (self.path / name).unlink(missing_ok=True)
+        if resume_step is None:
+            for name in _RUN_FILES:
+                (self.path / name).unlink(missing_ok=True)
+            shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+        else:
+            for name in ("train_log.jsonl", "metrics.jsonl"):
+                path = self.path / name
+                if path.exists():
+                    kept = [r for r in read_jsonl(path) if r.get("step", 0) <= resume_step]
+                    tmp = path.with_name(f".{name}.tmp")
+                    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                    os.replace(tmp, path)
         self.write_json("run_config.json", run_config)
 
     def write_json(self, name: str, payload: dict) -> None:

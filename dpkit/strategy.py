@@ -74,22 +74,48 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json`` keeps the last of two equal keys; DeepSpeed would see one value of two."""
+    config: dict = {}
+    for key, value in pairs:
+        if key in config:
+            raise _DuplicateKeyError(
+                f"{key}={json.dumps(config[key])} and {key}={json.dumps(value)}: "
+                "the key is given twice; keep one"
+            )
+        config[key] = value
+    return config
+
+
 def _read_ds_config(path: str) -> dict:
+    """The JSON as written, refused (one line) if it is malformed or has a key DeepSpeed
+    would ignore or reject; see :mod:`dpkit.ds_config_keys`."""
+    from dpkit.ds_config_keys import check_ds_config_keys
+
+    where = f"deepspeed config {path!r}"
     try:
         with open(path) as f:
-            config = json.load(f)
+            config = json.load(f, object_pairs_hook=_refuse_duplicate_keys)
     except FileNotFoundError:
-        raise UsageError(f"deepspeed config {path!r}: no such file") from None
+        raise UsageError(f"{where}: no such file") from None
     except json.JSONDecodeError as err:
-        raise UsageError(f"deepspeed config {path!r}: not valid JSON ({err})") from None
+        raise UsageError(f"{where}: not valid JSON ({err})") from None
+    except _DuplicateKeyError as err:
+        raise UsageError(f"{where}: {err}") from None
     if not isinstance(config, dict):
-        raise UsageError(f"deepspeed config {path!r}: must be a JSON object")
+        raise UsageError(f"{where}: must be a JSON object")
+    check_ds_config_keys(config, where)
     return config
 
 
 def _stage_of(config: dict, path: str) -> int:
-    stage = config.get("zero_optimization", {}).get("stage")
-    if stage not in STAGE_TO_STRATEGY:
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if isinstance(stage, bool) or stage not in STAGE_TO_STRATEGY:
         raise UsageError(
             f"deepspeed config {path!r}: zero_optimization.stage={stage!r}; dpkit supports 1 and 2"
         )
@@ -194,19 +220,20 @@ def resolve_precision(flag: str | None, env: Mapping[str, str] | None = None) ->
     if precision not in ("no", "bf16", "fp16"):
         raise UsageError(f"mixed_precision={precision!r}: dpkit supports no, bf16 and fp16")
     if precision == "fp16" and not _cuda_available():
-        raise UsageError("--mixed-precision=fp16: needs a CUDA GPU; use bf16 on CPU")
+        source = "--mixed-precision" if flag else "the launcher's mixed_precision"
+        raise UsageError(f"{source}=fp16: needs a CUDA GPU; use bf16 on CPU")
     return precision
 
 
-def _set_if_auto(config: dict, key: str, value: Any, where: str) -> None:
+def _set_if_auto(config: dict, key: str, value: Any, where: str, why: str = "") -> None:
     """Fill ``"auto"``; a value the user wrote must equal what the recipe runs with."""
     current = config.get(key, "auto")
     if current == "auto":
         config[key] = value
     elif current != value:
         raise UsageError(
-            f"deepspeed config {where}{key}={current!r} disagrees with the recipe's {value!r}: "
-            'set it to "auto" or change the recipe flag'
+            f"deepspeed config {where}{key}={current!r} disagrees with the recipe's {value!r}"
+            f'{why}: set it to "auto" or change the recipe flag'
         )
 
 
@@ -233,7 +260,12 @@ def fill_deepspeed_config(
     _set_if_auto(config, "train_micro_batch_size_per_gpu", micro_batch_size, "")
     _set_if_auto(config, "gradient_accumulation_steps", gradient_accumulation_steps, "")
     _set_if_auto(
-        config, "train_batch_size", micro_batch_size * gradient_accumulation_steps * world_size, ""
+        config,
+        "train_batch_size",
+        micro_batch_size * gradient_accumulation_steps * world_size,
+        "",
+        f" (micro_batch {micro_batch_size} x accumulation {gradient_accumulation_steps} "
+        f"x world_size {world_size})",
     )
     _set_if_auto(config, "gradient_clipping", float(max_grad_norm), "")
     for name in ("bf16", "fp16"):
@@ -508,6 +540,7 @@ def build_accelerator(
     hidden_size: int | None,
     learning_rate: float,
     weight_decay: float,
+    data_seed: int,
     log_with: str | None = None,
     project_dir: str | None = None,
 ) -> PreparedStrategy:
@@ -516,7 +549,11 @@ def build_accelerator(
     Call :meth:`PreparedStrategy.apply_model_settings` once the model exists.
     """
     from accelerate import Accelerator, DeepSpeedPlugin
-    from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        InitProcessGroupKwargs,
+    )
 
     from dpkit.memory_settings import ddp_kwargs
 
@@ -564,10 +601,20 @@ def build_accelerator(
         # unsharded batches.
         step_scheduler_with_optimizer=False,
         deepspeed_plugin=plugin,
+        # The shuffle order of epoch e is a function of (data_seed, e) alone: the same on
+        # every rank and world size, and reproducible when a run resumes mid-way.
+        dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed),
         kwargs_handlers=handlers,
         log_with=log_with,
         project_dir=project_dir,
     )
+    if accelerator.num_processes > 1:
+        # Every rank checks --output-dir while parsing its arguments, and the main process
+        # writes run_config.json there right after this returns. A lazily connected process
+        # group (NCCL's default; TORCH_GLOO_LAZY_INIT=1 on CPU) lets the main process get
+        # here before a slower rank (another node) has parsed: that rank then refused the
+        # run as "holds another run" while the main process waited for it (measured).
+        accelerator.wait_for_everyone()
     return PreparedStrategy(
         accelerator=accelerator,
         choice=choice,

@@ -28,9 +28,9 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from dpkit import memory
+from dpkit import checkpoint, memory
 from dpkit.config import config_dict, parse_finetune_args
-from dpkit.data import load_classification_splits
+from dpkit.data import check_classification_data, load_classification_splits
 from dpkit.errors import EXIT_USAGE, UsageError
 from dpkit.models import count_parameters, load_model_config, max_positions
 from dpkit.run_output import RunOutput
@@ -46,7 +46,7 @@ METRICS_DIR = Path(__file__).resolve().parents[1] / "dpkit" / "metrics"
 logger = logging.getLogger("dpkit.finetune")
 
 
-def get_dataloaders(data_cfg, model_cfg, tokenizer, accelerator, micro_batch_size, seed):
+def get_dataloaders(data_cfg, model_cfg, tokenizer, accelerator, micro_batch_size):
     """Tokenize with ``datasets.map`` (cached) and batch with a padding collator."""
     from transformers import DataCollatorWithPadding
 
@@ -77,15 +77,17 @@ def get_dataloaders(data_cfg, model_cfg, tokenizer, accelerator, micro_batch_siz
     tokenized = tokenized.rename_column("label", "labels")
 
     collator = DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8)
-    # A dedicated generator makes the shuffle order a function of the seed alone,
-    # identical for every strategy and world size.
+    # The shuffle order is seeded by the Accelerator (use_seedable_sampler, data_seed):
+    # the same for every strategy and world size, and reproducible on resume. The
+    # loader's own generator keeps iterator creation from drawing on the global RNG
+    # that dropout uses, so a resumed run continues the same dropout streams.
     train_loader = DataLoader(
         tokenized["train"],
         batch_size=micro_batch_size,
         shuffle=True,
         drop_last=True,
         collate_fn=collator,
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator(),
     )
     eval_loaders = {
         name: DataLoader(tokenized[name], batch_size=micro_batch_size, collate_fn=collator)
@@ -148,6 +150,16 @@ def main() -> None:
             raise UsageError(
                 f"--max-seq-length={model_cfg.max_seq_length}: over the model's limit of {limit} positions"
             )
+        check_classification_data(model_cfg, data_cfg, train_cfg, hf_config)
+        resume = checkpoint.resolve_resume(train_cfg.resume, train_cfg.output_dir)
+        if resume is not None:
+            checkpoint.check_resumable(
+                resume[1],
+                resume[0],
+                global_batch_size=train_cfg.micro_batch_size
+                * train_cfg.gradient_accumulation_steps
+                * choice.expected_world_size,
+            )
     except UsageError as err:
         exit_usage(err)
 
@@ -172,6 +184,7 @@ def main() -> None:
             hidden_size=getattr(hf_config, "hidden_size", None),
             learning_rate=learning_rate,
             weight_decay=train_cfg.weight_decay,
+            data_seed=train_cfg.seed,
             log_with=None if train_cfg.report_to == "none" else train_cfg.report_to,
             project_dir=train_cfg.output_dir,
         )
@@ -187,18 +200,23 @@ def main() -> None:
     quiet_libraries(accelerator.is_main_process)
     set_seed(train_cfg.seed, device_specific=True)
     run = RunOutput(train_cfg.output_dir, accelerator.is_main_process)
-    run.start(config_dict(model_cfg, data_cfg, strategy_cfg, train_cfg))
+    resume_dir, resume_state = resume if resume is not None else (None, None)
+    run.start(
+        config_dict(model_cfg, data_cfg, strategy_cfg, train_cfg),
+        resume_step=resume_state.step if resume_state else None,
+    )
 
     # Data.
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_loader, eval_loaders, label_names = get_dataloaders(
-        data_cfg, model_cfg, tokenizer, accelerator, train_cfg.micro_batch_size, train_cfg.seed
+        data_cfg, model_cfg, tokenizer, accelerator, train_cfg.micro_batch_size
     )
 
-    # Model: a fresh classification head on the pretrained encoder, the same on every rank.
+    # Model: a fresh classification head on the pretrained encoder, the same on every
+    # rank; or, on resume, the checkpoint's consolidated fp32 weights.
     set_seed(train_cfg.seed)
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_path,
+        resume_dir or model_path,
         num_labels=len(label_names),
         id2label=dict(enumerate(label_names)),
         label2id={name: i for i, name in enumerate(label_names)},
@@ -265,6 +283,49 @@ def main() -> None:
         total_steps,
         num_epochs,
     )
+    step, start_epoch, skip_batches = 0, 0, 0
+    if resume_dir is not None:
+        restored = checkpoint.load_checkpoint(
+            accelerator, model, optimizer, lr_scheduler, resume_dir
+        )
+        step, start_epoch = restored.step, restored.epoch
+        skip_batches = restored.samples_in_epoch // (train_cfg.micro_batch_size * world_size)
+        logger.info(
+            "dpkit: %s",
+            checkpoint.carry_over_note(
+                restored, strategy=strategy.choice.name, world_size=world_size
+            ),
+        )
+
+    def save_checkpoint(epoch: int, batches_done: int) -> None:
+        """The full state after ``step``; collective (every rank calls it)."""
+        epoch_done = batches_done >= len(train_loader)
+        state = checkpoint.TrainerState(
+            step=step,
+            epoch=epoch + 1 if epoch_done else epoch,
+            samples_in_epoch=0
+            if epoch_done
+            else batches_done * train_cfg.micro_batch_size * world_size,
+            global_batch_size=strategy.global_batch_size,
+            micro_batch_size=train_cfg.micro_batch_size,
+            gradient_accumulation_steps=train_cfg.gradient_accumulation_steps,
+            world_size=world_size,
+            strategy=strategy.choice.name,
+            precision=strategy.precision,
+            seed=train_cfg.seed,
+        )
+        path = checkpoint.save_checkpoint(
+            accelerator,
+            model,
+            optimizer,
+            lr_scheduler,
+            state,
+            run.path,
+            tokenizer=tokenizer,
+            keep_last=train_cfg.save_total_limit,
+        )
+        logger.info("dpkit: checkpoint %s", path)
+
     if train_cfg.report_to != "none":
         accelerator.init_trackers("dpkit-finetune", config=run_info.as_dict())
     metrics = {name: evaluate.load(str(METRICS_DIR / name)) for name in ("accuracy", "f1")}
@@ -272,11 +333,20 @@ def main() -> None:
     # Train.
     throughput = Throughput(world_size=accelerator.num_processes)
     progress = tqdm(total=total_steps, desc="train", disable=not accelerator.is_main_process)
-    step, window_loss, started = 0, [], time.perf_counter()
+    progress.update(step)
+    window_loss, started = [], time.perf_counter()
+    batches_done, epoch = 0, start_epoch
     memory.reset_peak(accelerator)
     model.train()
-    for epoch in range(0 if train_cfg.eval_only else num_epochs):
-        for batch in train_loader:
+    for epoch in range(start_epoch, start_epoch if train_cfg.eval_only else num_epochs):
+        if step >= total_steps:
+            break
+        train_loader.set_epoch(epoch)
+        skip = skip_batches if epoch == start_epoch else 0
+        batches_done = skip
+        batches = accelerator.skip_first_batches(train_loader, skip) if skip else train_loader
+        for batch in batches:
+            batches_done += 1
             with accelerator.accumulate(model):
                 loss = model(**batch).loss
                 accelerator.backward(loss)
@@ -332,6 +402,8 @@ def main() -> None:
                 result = evaluate_split(accelerator, model, eval_loaders["validation"], metrics)
                 run.append_jsonl("metrics.jsonl", {"step": step, "split": "validation", **result})
                 accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=step)
+            if train_cfg.save_steps and step % train_cfg.save_steps == 0 and step < total_steps:
+                save_checkpoint(epoch, batches_done)
             if step >= total_steps:
                 break
         if not train_cfg.eval_steps:
@@ -342,6 +414,8 @@ def main() -> None:
             break
     progress.close()
     train_seconds = time.perf_counter() - started
+    if not train_cfg.eval_only:
+        save_checkpoint(epoch, batches_done)
 
     # Report: memory (gathered from every rank), then the final evaluations.
     report = memory.collect_report(
@@ -370,17 +444,14 @@ def main() -> None:
         )
     logger.info("dpkit: trained %d steps in %.1f s", step, train_seconds)
 
-    # The final model as a Hugging Face folder; every rank takes part (DeepSpeed's state gathering is collective).
+    # The final model as a Hugging Face folder in fp32, ZeRO shards consolidated; every
+    # rank takes part (gathering them is collective).
     if train_cfg.save_model and not train_cfg.eval_only:
-        state_dict = accelerator.get_state_dict(model)
-        accelerator.unwrap_model(model).save_pretrained(
-            run.model_dir,
-            is_main_process=accelerator.is_main_process,
-            save_function=accelerator.save,
-            state_dict=state_dict,
-            safe_serialization=True,
-        )
+        state_dict = checkpoint.full_fp32_state_dict(accelerator, model)
         if accelerator.is_main_process:
+            accelerator.unwrap_model(model).save_pretrained(
+                run.model_dir, state_dict=state_dict, safe_serialization=True
+            )
             tokenizer.save_pretrained(run.model_dir)
     accelerator.wait_for_everyone()
     accelerator.end_training()

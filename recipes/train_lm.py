@@ -123,6 +123,7 @@ def main() -> None:
             hidden_size=lm_data.hidden_size(hf_config),
             learning_rate=workload.learning_rate,
             weight_decay=workload.weight_decay,
+            data_seed=workload.seed,
             log_with=None if options.report_to == "none" else options.report_to,
             project_dir=workload.output_dir,
         )

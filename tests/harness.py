@@ -13,6 +13,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,28 @@ SHORT_RUN = [
     "--logging-steps", "1",
     "--overwrite-output-dir",
 ]  # fmt: skip
+
+
+def assert_refused(
+    result: Launch, message: str, output_dir: Path | None, exit_code: int | None = None
+) -> None:
+    """Bad input: non-zero exit (``exit_code`` when given), exactly one error line holding
+    ``message``, no traceback from dpkit's code, no process group, nothing written
+    (``output_dir`` not created; ``None`` when it existed before and the caller checks it)."""
+    assert result.returncode != 0, result.output[-3000:]
+    if exit_code is not None:
+        assert result.returncode == exit_code, result.output[-3000:]
+    errors = [line for line in result.output.splitlines() if "finetune.py: error:" in line]
+    assert len(errors) == 1, result.output[-3000:]  # one line for the job, not one per rank
+    assert message in errors[0], errors[0]
+    # No traceback from dpkit's code (a launcher may still print its own when a child exits non-zero).
+    frames = [line for line in result.output.splitlines() if '.py", line' in line]
+    assert not [f for f in frames if "/dpkit/" in f or "/recipes/" in f], result.output[-3000:]
+    # DeepSpeed logs this when it starts a process group; dpkit logs its strategy line after prepare.
+    assert "Initializing TorchBackend" not in result.output, result.output[-3000:]
+    assert "dpkit: strategy=" not in result.output, result.output[-3000:]
+    if output_dir is not None:
+        assert not output_dir.exists(), "nothing may be written for a refused run"
 
 
 def free_port() -> int:
@@ -159,4 +183,66 @@ def torchrun_cmd(nproc: int, *args: str) -> list[str]:
         str(free_port()),
         RECIPE,
         *args,
+    ]
+
+
+def run_nodes(
+    cmds: list[list[str]], output_dir: Path | None = None, timeout: int = LAUNCH_TIMEOUT_S, **env
+) -> list[Launch]:
+    """Run one launcher per "node" (``cmds[i]`` is node i's command) side by side from the
+    repo root, each in its own session, and wait for all of them.
+
+    When one node exits non-zero, the others are killed at once (process group and all):
+    a node whose peer is gone waits in its rendezvous or its next collective until the
+    process-group timeout. On ``timeout`` every node is killed and the call fails.
+    Returns one :class:`Launch` per node, in order; a killed node has a negative code.
+    """
+    logs = [tempfile.TemporaryFile(mode="w+") for _ in cmds]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+            env=launch_env(**env),
+        )
+        for cmd, log in zip(cmds, logs, strict=True)
+    ]
+
+    def kill_all() -> None:
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:  # the whole group has exited already
+                pass
+        for proc in procs:
+            proc.wait()
+
+    def outputs() -> list[str]:
+        texts = []
+        for log in logs:
+            log.seek(0)
+            texts.append(log.read())
+            log.close()
+        return texts
+
+    deadline = time.monotonic() + timeout
+    while any(proc.poll() is None for proc in procs):
+        failed = any(proc.returncode not in (None, 0) for proc in procs)
+        if failed or time.monotonic() > deadline:
+            kill_all()
+            if not failed:
+                texts = outputs()
+                shown = "\n".join(
+                    f"--- node {i}: {' '.join(cmd)}\n{text[-3000:]}"
+                    for i, (cmd, text) in enumerate(zip(cmds, texts, strict=True))
+                )
+                raise AssertionError(f"timed out after {timeout} s\n{shown}")
+            break
+        time.sleep(0.5)
+    return [
+        Launch(cmd, proc.returncode, text, output_dir)
+        for cmd, proc, text in zip(cmds, procs, outputs(), strict=True)
     ]

@@ -1,0 +1,460 @@
+"""Checkpoints: the full training state in one portable layout, for every strategy and world size.
+
+A checkpoint is a folder ``<output_dir>/checkpoints/step-000120/``::
+
+    model.safetensors, config.json, tokenizer files   the consolidated fp32 weights
+                                                        (a Hugging Face folder: loads
+                                                        without DeepSpeed)
+    optimizer.pt        Adam moments per parameter name, consolidated; step count; lrs
+    scheduler.pt        the lr scheduler's state_dict
+    rng.pt              every rank's RNG states (python, numpy, torch, cuda)
+    trainer_state.json  step, epoch, position in the epoch, batch layout, strategy
+    manifest.json       every file above with its size and sha256 (written last)
+
+Why not DeepSpeed's or accelerate's own checkpoint: a ZeRO checkpoint is sharded
+by data-parallel rank, needs DeepSpeed to read and the same world size to resume
+(or a conversion step), and a DDP run cannot load it at all. Here the ZeRO shards
+are gathered per parameter with DeepSpeed's tensor-fragment API (the mechanism of
+its universal checkpoint), so a checkpoint written by ZeRO-2 on 2 processes
+resumes as DDP on 1 or ZeRO-1 on 4, and the weights load with ``from_pretrained``.
+The cost: every save gathers the full optimizer state on the main process's CPU
+(12 bytes per parameter), fine for models that fit one GPU, the ones dpkit is for.
+
+Saves are atomic: everything is written into ``.tmp-step-*``, fsynced, then renamed;
+a folder named ``step-*`` is complete by construction, and the manifest lets a
+resume refuse one that was truncated or altered afterwards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpkit.errors import UsageError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+FORMAT_VERSION = 1
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Where training stands; enough to continue the same data order and schedule."""
+
+    step: int
+    """Optimizer updates done."""
+    epoch: int
+    """Epoch to continue in."""
+    samples_in_epoch: int
+    """Examples of that epoch already consumed (all ranks together)."""
+    global_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    strategy: str
+    precision: str
+    seed: int
+    format_version: int = FORMAT_VERSION
+
+    def describe(self) -> str:
+        return (
+            f"step {self.step} (epoch {self.epoch}, {self.samples_in_epoch} examples in), "
+            f"written by {self.strategy} on {self.world_size} process(es), global batch "
+            f"{self.global_batch_size}"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Finding and checking checkpoints (no process group needed)
+# ---------------------------------------------------------------------------
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"step-{step:06d}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``output_dir``, oldest first (``.tmp-*`` never counts)."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: str | Path, flag: str = "--resume") -> TrainerState:
+    """The checkpoint's state if every file is there with its recorded size and hash;
+    otherwise a one-line :class:`UsageError` that says what is wrong."""
+    path = Path(path)
+    where = f"{flag}={str(path)!r}"
+    if not path.is_dir():
+        raise UsageError(f"{where}: no such checkpoint folder")
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise UsageError(
+            f"{where}: not a complete dpkit checkpoint (no manifest.json; an interrupted "
+            "save leaves a .tmp-step-* folder, never a step-* one)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UsageError(f"{where}: manifest.json is unreadable ({err})") from None
+    for name, expected in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            raise UsageError(f"{where}: {name} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise UsageError(
+                f"{where}: {name} is {size} bytes, the manifest says {expected['bytes']} "
+                "(truncated or partly written)"
+            )
+        if _sha256(file) != expected["sha256"]:
+            raise UsageError(f"{where}: {name} does not match its sha256 in the manifest")
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise UsageError(
+            f"{where}: format_version={state.get('format_version')!r}, this dpkit reads "
+            f"{FORMAT_VERSION}"
+        )
+    return TrainerState(**state)
+
+
+def resolve_resume(resume: str | None, output_dir: str) -> tuple[Path, TrainerState] | None:
+    """``--resume``: ``latest`` (must exist), ``auto`` (latest if any, else a fresh
+    start), or a checkpoint folder. Checked completely (manifest, sizes, hashes)
+    before any process group starts."""
+    if resume is None:
+        return None
+    if resume in ("latest", "auto"):
+        found = list_checkpoints(output_dir)
+        if not found:
+            if resume == "auto":
+                return None
+            raise UsageError(
+                f"--resume=latest: no checkpoint under {str(Path(output_dir) / CHECKPOINTS)!r} "
+                "(use --resume auto to start fresh when there is none)"
+            )
+        path = found[-1]
+    else:
+        path = Path(resume)
+    return path, verify_checkpoint(path)
+
+
+def check_resumable(state: TrainerState, path: Path, *, global_batch_size: int) -> None:
+    """Refuse what cannot be carried over, before any process group starts."""
+    if state.global_batch_size != global_batch_size:
+        raise UsageError(
+            f"--resume={str(path)!r}: written with global batch {state.global_batch_size}, this "
+            f"run's is {global_batch_size}; keep the global batch (micro batch x accumulation x "
+            "processes) so the data position and the schedule carry over"
+        )
+
+
+# ---------------------------------------------------------------------------
+# Full (consolidated) weights and optimizer state, from DDP or ZeRO alike
+# ---------------------------------------------------------------------------
+
+
+def _zero_optimizer(optimizer) -> Any | None:
+    """DeepSpeed's ZeRO optimizer behind accelerate's wrapper, or None under DDP."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if hasattr(inner, "single_partition_of_fp32_groups") else None
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer that holds the param groups (and, under DDP, the state)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    zero = _zero_optimizer(optimizer)
+    return zero.optimizer if zero is not None else inner
+
+
+def full_fp32_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
+    """The model's state_dict with every parameter at full size in fp32, on CPU, on the
+    main process (None elsewhere). Under ZeRO the fp32 master copies are gathered (a
+    collective: every rank must call this); under DDP the parameters are read."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = accelerator.unwrap_model(model)
+    state = module.state_dict() if accelerator.is_main_process else None
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        if full is None:
+            full = param.detach()
+        if state is not None:
+            state[name] = full.to("cpu", torch.float32).clone()
+    if state is not None:
+        for name, value in state.items():
+            if value.is_floating_point():
+                state[name] = value.to("cpu", torch.float32)
+    return state
+
+
+def _relink_zero_moments(zero, torch_opt) -> None:
+    """Point every parameter's fragment at its slice of the flat Adam moments.
+
+    DeepSpeed links them once, right after the first group's step, while the later
+    param groups have no state yet; with two groups (decay / no decay) the second
+    group's parameters stay unlinked (measured with DeepSpeed 0.19.8).
+    """
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+        lazy_init_hp_params_optimizer_state(zero.bit16_groups[i], hp_partition, torch_opt.state)
+
+
+def full_optimizer_state(accelerator, model, optimizer) -> dict | None:
+    """Adam moments per parameter name at full size (gathered under ZeRO; collective)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    module = accelerator.unwrap_model(model)
+    torch_opt = _torch_optimizer(optimizer)
+    zero = _zero_optimizer(optimizer)
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    steps = [
+        float(s["step"]) for s in torch_opt.state.values() if isinstance(s, dict) and "step" in s
+    ]
+    has_state = bool(steps)
+    if zero is not None:
+        # Every rank decides the same way (the step has run on every rank or on none).
+        has_state = bool(getattr(zero, "_hp_optimizer_states_linked", False))
+    if has_state and zero is not None:
+        _relink_zero_moments(zero, torch_opt)
+    if has_state:
+        for name, param in module.named_parameters():
+            entry = {}
+            for key in ADAM_MOMENTS:
+                value = (
+                    safe_get_full_optimizer_state(param, key)
+                    if zero is not None
+                    else torch_opt.state[param][key]
+                )
+                if accelerator.is_main_process:
+                    entry[key] = value.to("cpu", torch.float32).clone()
+            moments[name] = entry
+    if not accelerator.is_main_process:
+        return None
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(steps[0]) if steps else 0,
+        "moments": moments,
+        "param_group_lrs": [float(g["lr"]) for g in torch_opt.param_groups],
+    }
+
+
+def _load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
+    """Put consolidated moments back, re-sharded for this run's strategy and world size."""
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    module = accelerator.unwrap_model(model)
+    torch_opt = _torch_optimizer(optimizer)
+    zero = _zero_optimizer(optimizer)
+    for group, lr in zip(torch_opt.param_groups, saved["param_group_lrs"], strict=True):
+        group["lr"] = lr
+    moments = saved["moments"]
+    if not moments:
+        return
+    named = dict(module.named_parameters())
+    missing = sorted(set(named) - set(moments))
+    if missing:
+        raise RuntimeError(f"checkpoint has no optimizer state for {missing[:3]}")
+    step = torch.tensor(float(saved["step"]))
+    if zero is None:
+        for name, param in named.items():
+            torch_opt.state[param] = {
+                "step": step.clone(),
+                **{k: moments[name][k].to(param.device, param.dtype) for k in ADAM_MOMENTS},
+            }
+        return
+    # ZeRO: each rank keeps the slice of every moment that falls in its partition,
+    # then DeepSpeed assembles its flat state from those fragments (the same path as
+    # its universal-checkpoint load).
+    name_of = {id(p): n for n, p in named.items()}
+    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+        for lp in zero.bit16_groups[i]:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            address = mapping.lp_fragment_address
+            if mapping.optim_fragment is None:  # no step has run yet in this process
+                mapping.optim_fragment = {}
+            for key in ADAM_MOMENTS:
+                full = moments[name_of[id(lp)]][key].flatten()
+                mapping.optim_fragment[key] = full.narrow(0, address.start, address.numel).to(
+                    hp_partition.device, hp_partition.dtype
+                )
+        torch_opt.state[hp_partition]["step"] = step.clone()
+        map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
+    zero._hp_optimizer_states_linked = True
+
+
+def _load_fp32_masters(accelerator, model, weights: dict[str, torch.Tensor]) -> None:
+    """Under ZeRO, set the fp32 master copies exactly (the module was loaded from the
+    same weights, but a bf16 module would have rounded them)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, param in accelerator.unwrap_model(model).named_parameters():
+        if hasattr(param, "_hp_mapping"):
+            safe_set_full_fp32_param(param, weights[name].to(param.device))
+
+
+# ---------------------------------------------------------------------------
+# RNG
+# ---------------------------------------------------------------------------
+
+
+def _rng_state() -> dict:
+    """This rank's RNG states as plain lists (they travel through ``gather_object``)."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------
+# Save and load
+# ---------------------------------------------------------------------------
+
+
+def _fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(Path(dirpath) / name, "rb") as f:
+                os.fsync(f.fileno())
+        fd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_manifest(root: Path) -> None:
+    files = {
+        str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+    (root / "manifest.json").write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def save_checkpoint(
+    accelerator,
+    model,
+    optimizer,
+    lr_scheduler,
+    state: TrainerState,
+    output_dir: str | Path,
+    *,
+    tokenizer=None,
+    keep_last: int = 0,
+) -> Path:
+    """Write the full training state for ``state.step``; every rank must call this.
+
+    Only the main process writes (so several nodes need no shared file system to
+    save); the folder appears under its final name only once complete.
+    """
+    import accelerate.utils
+
+    final = checkpoint_dir(output_dir, state.step)
+    tmp = final.with_name(f".tmp-{final.name}")
+    weights = full_fp32_state_dict(accelerator, model)
+    optimizer_state = full_optimizer_state(accelerator, model, optimizer)
+    rng_states = accelerate.utils.gather_object([_rng_state()])
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        accelerator.unwrap_model(model).save_pretrained(
+            tmp, state_dict=weights, safe_serialization=True
+        )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        torch.save(optimizer_state, tmp / "optimizer.pt")
+        torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(rng_states, tmp / "rng.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2) + "\n")
+        _write_manifest(tmp)
+        _fsync_tree(tmp)
+        if final.exists():  # a rerun of the same step: the new one replaces it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_tree(final.parent)
+        if keep_last > 0:
+            for old in list_checkpoints(output_dir)[:-keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, model, optimizer, lr_scheduler, path: Path) -> TrainerState:
+    """Restore a checkpoint into prepared objects (after ``accelerator.prepare``).
+
+    The model must have been built from ``path`` itself (``from_pretrained``); this
+    restores ZeRO's fp32 masters, the optimizer moments re-sharded for this run, the
+    scheduler and, when the world size is the same, every rank's RNG streams.
+    """
+    from safetensors.torch import load_file
+
+    state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
+    weights = load_file(str(path / "model.safetensors"))
+    _load_fp32_masters(accelerator, model, weights)
+    saved_optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+    _load_optimizer_state(accelerator, model, optimizer, saved_optimizer)
+    lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng_states = torch.load(path / "rng.pt", weights_only=True)
+    if len(rng_states) == accelerator.num_processes:
+        _set_rng_state(rng_states[accelerator.process_index])
+    accelerator.wait_for_everyone()
+    return state
+
+
+def carry_over_note(state: TrainerState, *, strategy: str, world_size: int) -> str:
+    """One line: what a resume carries over, and what it cannot."""
+    parts = [f"resuming from {state.describe()}, as {strategy} on {world_size} process(es)"]
+    parts.append("weights, optimizer moments, lr schedule and data position carried over")
+    if state.world_size != world_size:
+        parts.append(
+            f"RNG streams not restored ({state.world_size} -> {world_size} ranks: dropout "
+            "masks differ from an uninterrupted run)"
+        )
+    return "; ".join(parts)

@@ -1,0 +1,268 @@
+"""Checkpoints: exact resume, atomic saves, refusal of partial ones, export, and resume
+across strategies and world sizes. Real recipe, real launchers, 2 CPU processes.
+
+Every run: 6 optimizer steps over 128 examples (4 steps per epoch at global batch 32,
+so the resume at step 3 lands mid-epoch and the run crosses an epoch boundary), a
+checkpoint every 3 steps. "Interrupted at step 3" is a run resumed from the step-3
+checkpoint of an uninterrupted run: that folder holds exactly what the interrupted run
+had written, since nothing after step 3 touches it.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpkit import checkpoint
+from dpkit.errors import UsageError
+from tests.harness import REPO, accelerate_cmd, launch_env, python_cmd, run
+
+pytestmark = pytest.mark.multiprocess
+
+CK_RUN = [
+    "--max-steps", "6",
+    "--max-train-samples", "128",
+    "--max-eval-samples", "48",
+    "--max-seq-length", "32",
+    "--learning-rate", "1e-4",
+    "--warmup-ratio", "0",
+    "--logging-steps", "1",
+    "--save-steps", "3",
+    "--save-total-limit", "0",
+]  # fmt: skip
+NO_DROPOUT = ["--dropout", "0"]  # runs on different world sizes draw different dropout masks
+YAML = {s: ["--config_file", f"ds_configs/accelerate/{s}.yaml"] for s in ("ddp", "zero1", "zero2")}
+
+# Same strategy, same world size, RNG restored: the same arithmetic as the run that
+# never stopped; only the order of float reductions could differ.
+SAME_RUN_RTOL = 1e-6
+# Across strategies and world sizes: the equivalence tolerance of tests/test_launchers.py.
+CROSS_RTOL = 2e-3
+
+
+def _rel_diff(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def _launch(strategy: str, nproc: int, out: Path, *args: str):
+    if nproc == 1:
+        cmd = python_cmd(*CK_RUN, "--strategy", strategy, *args, "--output-dir", str(out))
+    else:
+        cmd = accelerate_cmd(
+            [*YAML[strategy], "--num_processes", str(nproc)],
+            *CK_RUN,
+            *args,
+            "--output-dir",
+            str(out),
+        )
+    return run(cmd, out).check()
+
+
+# name -> (strategy, processes, extra args); each uninterrupted run is launched once.
+REFERENCES = {
+    "ddp": ("ddp", 2, ["--micro-batch-size", "16"]),
+    "zero1": ("zero1", 2, ["--micro-batch-size", "16"]),
+    "zero2": ("zero2", 2, ["--micro-batch-size", "16"]),
+    # Accumulation, and rotation: a checkpoint every step, the last four kept.
+    "ddp_accumulation": (
+        "ddp",
+        2,
+        ["--micro-batch-size", "8", "--gradient-accumulation-steps", "2"]
+        + ["--save-steps", "1", "--save-total-limit", "4"],
+    ),
+    "zero2_no_dropout": ("zero2", 2, ["--micro-batch-size", "16", *NO_DROPOUT]),
+}
+_references: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    def get(name: str):
+        if name not in _references:
+            strategy, nproc, args = REFERENCES[name]
+            out = tmp_path_factory.mktemp(f"ref-{name}")
+            _references[name] = _launch(strategy, nproc, out, *args)
+        return _references[name]
+
+    return get
+
+
+def _step3(ref) -> Path:
+    return ref.output_dir / "checkpoints" / "step-000003"
+
+
+def _check_continues(ref, resumed, rtol: float) -> None:
+    """Steps 4-6 of the resumed run follow the uninterrupted trajectory."""
+    assert [r["step"] for r in resumed.train_log] == [4, 5, 6]
+    after = [r["loss"] for r in ref.train_log][3:]
+    assert _rel_diff(resumed.losses, after) < rtol
+    lrs = [r["lr"] for r in ref.train_log][3:]
+    assert [r["lr"] for r in resumed.train_log] == pytest.approx(lrs, rel=1e-12)
+    # The trajectory moves: agreement is not an artefact of a frozen model.
+    assert max(after) - min(after) > 10 * rtol * max(after)
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "ddp_accumulation"])
+def test_resumed_run_equals_the_uninterrupted_one(reference, tmp_path, name):
+    ref = reference(name)
+    strategy, nproc, args = REFERENCES[name]
+    resumed = _launch(strategy, nproc, tmp_path, *args, "--resume", str(_step3(ref)))
+    assert "resuming from step 3 (epoch 0, 96 examples in)" in resumed.output
+    assert "RNG streams not restored" not in resumed.output
+    _check_continues(ref, resumed, SAME_RUN_RTOL)
+    # The final evaluation sees the same weights.
+    assert resumed.final("test")["accuracy"] == ref.final("test")["accuracy"]
+
+
+@pytest.mark.parametrize(
+    "source, strategy, nproc, args",
+    [
+        ("zero2_no_dropout", "zero2", 1, ["--micro-batch-size", "16"] + ["--gradient-accumulation-steps", "2"]),
+        ("zero2_no_dropout", "zero2", 4, ["--micro-batch-size", "8"]),
+        ("zero2", "ddp", 2, ["--micro-batch-size", "16"]),
+        ("ddp", "zero2", 2, ["--micro-batch-size", "16"]),
+    ],
+    ids=["zero2-2to1", "zero2-2to4", "zero2-to-ddp", "ddp-to-zero2"],
+)  # fmt: skip
+def test_resume_across_world_sizes_and_strategies(
+    reference, tmp_path, source, strategy, nproc, args
+):
+    ref = reference(source)
+    extra = NO_DROPOUT if "no_dropout" in source else []
+    resumed = _launch(strategy, nproc, tmp_path, *args, *extra, "--resume", str(_step3(ref)))
+    assert f"as {strategy} on {nproc} process(es)" in resumed.output
+    changed_world = nproc != REFERENCES[source][1]
+    assert ("RNG streams not restored (2 -> " in resumed.output) == changed_world
+    _check_continues(ref, resumed, CROSS_RTOL)
+
+
+def test_checkpoints_are_complete_and_rotated(reference):
+    ref = reference("ddp_accumulation")
+    kept = checkpoint.list_checkpoints(ref.output_dir)
+    assert [p.name for p in kept] == [f"step-00000{i}" for i in (3, 4, 5, 6)]
+    assert not list((ref.output_dir / "checkpoints").glob(".tmp-*"))
+    for path in kept:
+        state = checkpoint.verify_checkpoint(path)
+        assert state.global_batch_size == 32
+        assert (state.micro_batch_size, state.gradient_accumulation_steps) == (8, 2)
+    # The last step of an epoch resumes at the start of the next one.
+    epoch_end = checkpoint.verify_checkpoint(kept[1])
+    assert (epoch_end.step, epoch_end.epoch, epoch_end.samples_in_epoch) == (4, 1, 0)
+
+
+def test_exported_model_loads_without_deepspeed_and_scores_the_same(reference):
+    ref = reference("zero2")
+    script = f"""
+import sys, torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from dpkit.data import load_classification_splits
+model_dir = {str(ref.output_dir / "model")!r}
+model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+tokenizer = AutoTokenizer.from_pretrained(model_dir)
+splits, _ = load_classification_splits("rotten-tomatoes-snippets", text_column="text",
+    label_column="label", validation_fraction=0.1, test_fraction=0.1, split_seed=42)
+test = splits["test"].select(range(48))
+batch = tokenizer(list(test["text"]), truncation=True, max_length=32, padding=True, return_tensors="pt")
+with torch.no_grad():
+    preds = model(**batch).logits.argmax(-1)
+print("accuracy", (preds == torch.tensor(list(test["label"]))).float().mean().item())
+print("dtype", next(model.parameters()).dtype)
+print("deepspeed imported", "deepspeed" in sys.modules)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line)
+    assert lines["deepspeed imported"] == "False"
+    assert lines["dtype"] == "torch.float32"
+    assert float(lines["accuracy"]) == pytest.approx(ref.final("test")["accuracy"], abs=1e-6)
+
+
+def _copy_run(ref, dest: Path) -> Path:
+    shutil.copytree(ref.output_dir, dest)
+    return dest
+
+
+def test_truncated_checkpoint_is_refused_before_anything_starts(reference, tmp_path):
+    ref = reference("zero2")
+    broken = shutil.copytree(_step3(ref), tmp_path / "step-000003")
+    optimizer = broken / "optimizer.pt"
+    size = optimizer.stat().st_size
+    with open(optimizer, "r+b") as f:
+        f.truncate(size // 2)
+    with pytest.raises(
+        UsageError, match=rf"optimizer.pt is {size // 2} bytes, the manifest says {size}"
+    ):
+        checkpoint.verify_checkpoint(broken)
+    out = tmp_path / "run"
+    result = run(
+        python_cmd(*CK_RUN, "--micro-batch-size", "16", "--gradient-accumulation-steps", "2",
+                   "--resume", str(broken), "--output-dir", str(out)),
+    )  # fmt: skip
+    assert result.returncode == 2, result.output[-3000:]
+    errors = [line for line in result.output.splitlines() if "error:" in line]
+    assert errors == [
+        f"finetune.py: error: --resume={str(broken)!r}: optimizer.pt is {size // 2} bytes, "
+        f"the manifest says {size} (truncated or partly written)"
+    ]
+    assert not out.exists()
+
+
+def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_path):
+    """A save killed half-way leaves a .tmp-step-* folder; --resume latest skips it."""
+    run_dir = _copy_run(reference("zero2"), tmp_path / "run")
+    ckpts = run_dir / "checkpoints"
+    partial = ckpts / ".tmp-step-000006"
+    (ckpts / "step-000006").rename(partial)
+    (partial / "manifest.json").unlink()  # the manifest is written last
+    (partial / "optimizer.pt").unlink()
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step-000003"]
+    ref_log = (run_dir / "train_log.jsonl").read_text().splitlines()
+    resumed = run(
+        accelerate_cmd(
+            [*YAML["zero2"], "--num_processes", "2"],
+            *CK_RUN,
+            "--micro-batch-size",
+            "16",
+            "--resume",
+            "latest",
+            "--output-dir",
+            str(run_dir),
+        ),  # fmt: skip
+        run_dir,
+    ).check()
+    assert "resuming from step 3" in resumed.output
+    # The log of the continued run: steps 1-3 kept, 4-6 written again, equal to before.
+    log = (run_dir / "train_log.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in log] == [1, 2, 3, 4, 5, 6]
+    before = [json.loads(x)["loss"] for x in ref_log]
+    assert _rel_diff([json.loads(x)["loss"] for x in log], before) < SAME_RUN_RTOL
+    # The new save replaced the partial folder.
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step-000003", "step-000006"]
+    assert not list(ckpts.glob(".tmp-*"))
+
+
+def test_resume_refusals_name_the_problem(reference, tmp_path):
+    empty = tmp_path / "fresh"
+    with pytest.raises(UsageError, match=r"--resume=latest: no checkpoint under .*--resume auto"):
+        checkpoint.resolve_resume("latest", str(empty))
+    assert checkpoint.resolve_resume("auto", str(empty)) is None
+    with pytest.raises(UsageError, match=r"no such checkpoint folder"):
+        checkpoint.resolve_resume(str(tmp_path / "nope"), str(empty))
+    with pytest.raises(UsageError, match=r"not a complete dpkit checkpoint \(no manifest.json"):
+        checkpoint.resolve_resume(str(REPO / "ds_configs"), str(empty))
+    path, state = checkpoint.resolve_resume(str(_step3(reference("zero2"))), str(empty))
+    with pytest.raises(UsageError, match=r"written with global batch 32, this run's is 64"):
+        checkpoint.check_resumable(state, path, global_batch_size=64)
