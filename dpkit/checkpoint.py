@@ -396,6 +396,11 @@ def save_checkpoint(
     """
     import accelerate.utils
 
+    # Every rank holds the full (ZeRO-1/2) or replicated (DDP) weights, so every rank
+    # reaches the same verdict and none is left waiting in a collective.
+    module = accelerator.unwrap_model(model)
+    if not all(torch.isfinite(p).all() for p in module.parameters()):
+        raise RuntimeError(f"step {state.step}: non-finite weights; not saving a checkpoint")
     final = checkpoint_dir(output_dir, state.step)
     tmp = final.with_name(f".tmp-{final.name}")
     weights = full_fp32_state_dict(accelerator, model)

@@ -157,7 +157,22 @@ class StrategyConfig:
     )
     """Mixed precision; ``None`` takes the launcher's setting."""
 
+    collective_timeout: float = field(
+        default=600,
+        metadata={
+            "help": "Seconds a collective may wait for the other ranks before the job fails "
+            "(a hung or stopped rank)."
+        },
+    )
+    """Process-group timeout (torch's and DeepSpeed's default is 30 minutes)."""
+
     def __post_init__(self) -> None:
+        _require(
+            0 < self.collective_timeout < float("inf"),
+            "collective_timeout",
+            self.collective_timeout,
+            "must be > 0 seconds",
+        )
         _require_choice(self, "strategy", STRATEGY_CHOICES)
         if self.mixed_precision is not None:
             _require_choice(self, "mixed_precision", PRECISION_CHOICES)

@@ -40,8 +40,8 @@ STAGE_TO_STRATEGY = {1: "zero1", 2: "zero2"}
 STRATEGY_TO_STAGE = {"ddp": 0, "zero1": 1, "zero2": 2}
 
 # A collective that does not complete within this time fails the job instead of
-# hanging it (DeepSpeed's and torch's defaults are 30 minutes).
-PROCESS_GROUP_TIMEOUT = timedelta(minutes=int(os.environ.get("DPKIT_PG_TIMEOUT_MIN", "10")))
+# hanging it (DeepSpeed's and torch's defaults are 30 minutes); --collective-timeout.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 
 
 @dataclass(frozen=True)
@@ -541,6 +541,7 @@ def build_accelerator(
     learning_rate: float,
     weight_decay: float,
     data_seed: int,
+    collective_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
     log_with: str | None = None,
     project_dir: str | None = None,
 ) -> PreparedStrategy:
@@ -563,7 +564,9 @@ def build_accelerator(
     if choice.expected_world_size > 1 or choice.uses_deepspeed:
         # Naming the backend is what makes `accelerate launch --use_deepspeed` form a
         # real N-process group on CPU; a single plain process must not get one.
-        handlers.append(InitProcessGroupKwargs(backend=backend, timeout=PROCESS_GROUP_TIMEOUT))
+        handlers.append(
+            InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=collective_timeout_s))
+        )
     ds_config = None
     plugin = None
     if choice.uses_deepspeed:

@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from dpkit import checkpoint, memory
+from dpkit import checkpoint, guards, memory
 from dpkit.config import config_dict, parse_finetune_args
 from dpkit.data import check_classification_data, load_classification_splits
 from dpkit.errors import EXIT_USAGE, UsageError
@@ -185,6 +185,7 @@ def main() -> None:
             learning_rate=learning_rate,
             weight_decay=train_cfg.weight_decay,
             data_seed=train_cfg.seed,
+            collective_timeout_s=strategy_cfg.collective_timeout,
             log_with=None if train_cfg.report_to == "none" else train_cfg.report_to,
             project_dir=train_cfg.output_dir,
         )
@@ -297,7 +298,7 @@ def main() -> None:
             ),
         )
 
-    def save_checkpoint(epoch: int, batches_done: int) -> None:
+    def save_checkpoint(epoch: int, batches_done: int) -> Path:
         """The full state after ``step``; collective (every rank calls it)."""
         epoch_done = batches_done >= len(train_loader)
         state = checkpoint.TrainerState(
@@ -325,6 +326,7 @@ def main() -> None:
             keep_last=train_cfg.save_total_limit,
         )
         logger.info("dpkit: checkpoint %s", path)
+        return path
 
     if train_cfg.report_to != "none":
         accelerator.init_trackers("dpkit-finetune", config=run_info.as_dict())
@@ -334,7 +336,10 @@ def main() -> None:
     throughput = Throughput(world_size=accelerator.num_processes)
     progress = tqdm(total=total_steps, desc="train", disable=not accelerator.is_main_process)
     progress.update(step)
-    window_loss, started = [], time.perf_counter()
+    # SIGTERM/SIGINT from here on: finish the step, save, exit (dpkit.guards).
+    stop = guards.StopRequest()
+    guards.COLLECTIVE_TIMEOUT_S = strategy_cfg.collective_timeout
+    window_loss, started, last_checkpoint = [], time.perf_counter(), resume_dir
     batches_done, epoch = 0, start_epoch
     memory.reset_peak(accelerator)
     model.train()
@@ -365,12 +370,15 @@ def main() -> None:
             step_lr = lr_scheduler.get_last_lr()[0]
             lr_scheduler.step()
             step += 1
-            step_loss = accelerator.reduce(torch.stack(window_loss).mean(), "mean").item()
+            status = guards.step_status(accelerator, window_loss, stop)
+            step_loss = status.loss
             window_loss = []
             record = {"step": step, "epoch": epoch, "loss": step_loss, "lr": step_lr}
             if grad_norm is not None:
                 record["grad_norm"] = float(grad_norm)
             run.append_jsonl("train_log.jsonl", record)
+            if not status.finite:  # the same verdict on every rank: all stop, none saves
+                raise guards.NonFiniteLossError(step, step_loss, last_checkpoint)
             progress.update(1)
             if step % train_cfg.logging_steps == 0 or step == total_steps:
                 record.update(throughput.rates())
@@ -402,8 +410,20 @@ def main() -> None:
                 result = evaluate_split(accelerator, model, eval_loaders["validation"], metrics)
                 run.append_jsonl("metrics.jsonl", {"step": step, "split": "validation", **result})
                 accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=step)
-            if train_cfg.save_steps and step % train_cfg.save_steps == 0 and step < total_steps:
-                save_checkpoint(epoch, batches_done)
+            scheduled = train_cfg.save_steps and step % train_cfg.save_steps == 0
+            if status.stop or (scheduled and step < total_steps):
+                last_checkpoint = save_checkpoint(epoch, batches_done)
+            if status.stop:
+                logger.info(
+                    "dpkit: stopped by %s after step %d/%d; resume with --resume latest "
+                    "(or --resume %s)",
+                    stop.name,
+                    step,
+                    total_steps,
+                    last_checkpoint,
+                )
+                accelerator.end_training()
+                raise SystemExit(stop.exit_code)
             if step >= total_steps:
                 break
         if not train_cfg.eval_steps:
@@ -457,7 +477,24 @@ def main() -> None:
     accelerator.end_training()
 
 
+def run_guarded() -> None:
+    """``main`` with the failures every rank meets turned into one line and an exit code."""
+    rank = os.environ.get("RANK", "0")
+    try:
+        main()
+    except guards.NonFiniteLossError as err:
+        if rank == "0":
+            print(f"finetune.py: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(guards.EXIT_NON_FINITE) from None
+    except RuntimeError as err:
+        line = guards.collective_failure(err)
+        if line is None:
+            raise
+        print(f"finetune.py: error: rank {rank}: {line}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+
+
 if __name__ == "__main__":
     # Tokenizer worker threads inside each of N processes oversubscribe the CPU.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main()
+    run_guarded()
