@@ -1,4 +1,4 @@
-"""The ``dpkit`` command: ``dpkit data fetch``, ``dpkit plan``, ``dpkit bench``.
+"""The ``dpkit`` command: ``dpkit data fetch``, ``plan``, ``bench``, ``consolidate``.
 
 Each subcommand lives in its own module that provides ``add_arguments(parser)``
 and ``main(args) -> int``; modules are imported only when their command runs,
@@ -21,6 +21,10 @@ COMMANDS = {
     ),
     "plan": ("dpkit.plan", "predict per-GPU memory for DDP and ZeRO before launching"),
     "bench": ("dpkit.bench", "DDP vs ZeRO-1 vs ZeRO-2 side by side: memory, throughput, losses"),
+    "consolidate": (
+        "dpkit.consolidate",
+        "a dpkit or DeepSpeed ZeRO checkpoint to a Hugging Face model folder (fp32)",
+    ),
 }
 
 

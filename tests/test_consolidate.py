@@ -1,0 +1,157 @@
+"""``dpkit consolidate``: a real DeepSpeed ZeRO-2 checkpoint (2 processes, `deepspeed`
+launcher) and a real dpkit checkpoint become model folders that load without DeepSpeed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.harness import BIN, REPO, free_port, launch_env, python_cmd, run
+
+pytestmark = pytest.mark.multiprocess
+
+# Two ZeRO-2 steps of the MiniLM classifier on two ranks, then DeepSpeed's own save
+# (shards of every rank), and the fp32 masters gathered by rank 0 as the reference.
+ZERO2_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import deepspeed, torch
+    from deepspeed.utils import safe_get_full_fp32_param
+    from safetensors.torch import save_file
+    from transformers import AutoModelForSequenceClassification
+    from dpkit.models import resolve_model_path
+    from dpkit.strategy import skip_deepspeed_cpu_shm_op
+
+    out = sys.argv[-1]  # the deepspeed launcher puts --local_rank=N first
+    skip_deepspeed_cpu_shm_op()
+    deepspeed.init_distributed("gloo")
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        resolve_model_path("sentence-transformers/all-MiniLM-L6-v2"), num_labels=3
+    )
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "zero_optimization": {"stage": 2}}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    ids = torch.randint(1000, 2000, (2, 16), generator=torch.Generator().manual_seed(engine.global_rank))
+    for _ in range(2):
+        loss = engine(input_ids=ids, labels=torch.tensor([0, 2])).loss
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(out, tag="global_step2")
+    full = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+    if engine.global_rank == 0:
+        save_file(full, out + "/reference_fp32.safetensors")
+    """
+)
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+
+
+def _dpkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(BIN / "dpkit"), *args],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def _load_without_deepspeed(model_dir) -> dict[str, torch.Tensor]:
+    script = (
+        "import sys; from transformers import AutoModelForSequenceClassification as M\n"
+        f"m = M.from_pretrained({str(model_dir)!r})\n"
+        "assert 'deepspeed' not in sys.modules\n"
+        "import torch; torch.save(dict(m.named_parameters()), sys.argv[1])\n"
+    )
+    dump = model_dir.parent / f"{model_dir.name}.pt"
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(dump)],
+        cwd=REPO,
+        env=launch_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(dump, weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def zero2_checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ds-zero2")
+    script = root / "train_and_save.py"
+    script.write_text(ZERO2_SCRIPT)
+    cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]
+    run([*cmd, str(script), str(root / "ckpt")]).check()
+    return root / "ckpt"
+
+
+def test_deepspeed_zero2_checkpoint_consolidates_to_the_fp32_masters(zero2_checkpoint, tmp_path):
+    shards = sorted(p.name for p in (zero2_checkpoint / "global_step2").glob("*optim_states.pt"))
+    assert len(shards) == 2  # one optimizer shard per rank
+    out = tmp_path / "model"
+    done = _dpkit("consolidate", str(zero2_checkpoint), "--model", MINILM, "--output-dir", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "DeepSpeed checkpoint global_step2" in done.stdout
+    assert "AutoModelForSequenceClassification" in done.stdout or "BertFor" in done.stdout
+    loaded = _load_without_deepspeed(out)
+    reference = load_file(str(zero2_checkpoint / "reference_fp32.safetensors"))
+    assert set(loaded) == set(reference)
+    for name, value in reference.items():
+        assert loaded[name].dtype == torch.float32
+        assert torch.equal(loaded[name], value), name
+    assert (out / "tokenizer.json").is_file()
+
+
+def test_deepspeed_checkpoint_without_latest_needs_a_tag(zero2_checkpoint, tmp_path):
+    (zero2_checkpoint / "latest").rename(zero2_checkpoint / "latest.bak")
+    try:
+        done = _dpkit(
+            "consolidate",
+            str(zero2_checkpoint),
+            "--model",
+            MINILM,
+            "--output-dir",
+            str(tmp_path / "m"),
+        )
+        assert done.returncode == 2
+        assert done.stderr.strip().endswith("no 'latest' file; pass --tag (one of: global_step2)")
+        assert not (tmp_path / "m").exists()
+        done = _dpkit(
+            "consolidate", str(zero2_checkpoint), "--model", MINILM, "--tag", "global_step9",
+            "--output-dir", str(tmp_path / "m"),
+        )  # fmt: skip
+        assert done.returncode == 2
+        assert "--tag='global_step9': not in" in done.stderr
+    finally:
+        (zero2_checkpoint / "latest.bak").rename(zero2_checkpoint / "latest")
+
+
+def test_dpkit_checkpoint_consolidates_to_its_model_files(tmp_path):
+    run_dir = tmp_path / "run"
+    run(
+        python_cmd("--max-steps", "2", "--max-train-samples", "64", "--max-eval-samples", "16",
+                   "--micro-batch-size", "8", "--max-seq-length", "32", "--strategy", "zero2",
+                   "--output-dir", str(run_dir)),
+        run_dir,
+    ).check()  # fmt: skip
+    step2 = run_dir / "checkpoints" / "step-000002"
+    out = tmp_path / "model"
+    done = _dpkit("consolidate", str(step2), "--output-dir", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dpkit checkpoint at step 2 (zero2, 1 processes)" in done.stdout
+    assert not (out / "optimizer.pt").exists()
+    loaded = _load_without_deepspeed(out)
+    final = load_file(str(run_dir / "model" / "model.safetensors"))
+    for name, value in loaded.items():
+        assert torch.equal(value, final[name]), name
+    # A non-empty output folder is not overwritten by accident.
+    again = _dpkit("consolidate", str(step2), "--output-dir", str(out))
+    assert again.returncode == 2 and "not empty; pass --overwrite" in again.stderr
