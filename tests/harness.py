@@ -7,6 +7,7 @@ ones (killed by a signal) included, counted as failure by the caller.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -197,52 +198,52 @@ def run_nodes(
     process-group timeout. On ``timeout`` every node is killed and the call fails.
     Returns one :class:`Launch` per node, in order; a killed node has a negative code.
     """
-    logs = [tempfile.TemporaryFile(mode="w+") for _ in cmds]
-    procs = [
-        subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,
-            env=launch_env(**env),
-        )
-        for cmd, log in zip(cmds, logs, strict=True)
-    ]
+    procs: list[subprocess.Popen] = []
 
     def kill_all() -> None:
         for proc in procs:
-            try:
+            with contextlib.suppress(ProcessLookupError):  # the whole group has exited
                 os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:  # the whole group has exited already
-                pass
         for proc in procs:
             proc.wait()
 
-    def outputs() -> list[str]:
+    timed_out = False
+    with contextlib.ExitStack() as stack:
+        logs = [stack.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in cmds]
+        stack.callback(kill_all)  # also when the wait below is interrupted
+        for cmd, log in zip(cmds, logs, strict=True):
+            procs.append(
+                subprocess.Popen(
+                    cmd,
+                    cwd=REPO,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                    start_new_session=True,
+                    env=launch_env(**env),
+                )
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            codes = [proc.poll() for proc in procs]  # every node polled, each time
+            if None not in codes or any(code not in (None, 0) for code in codes):
+                break
+            if time.monotonic() > deadline:
+                timed_out = True
+                break
+            time.sleep(0.5)
+        kill_all()  # the nodes still running after a failure, and any stray children
         texts = []
         for log in logs:
             log.seek(0)
             texts.append(log.read())
-            log.close()
-        return texts
-
-    deadline = time.monotonic() + timeout
-    while any(proc.poll() is None for proc in procs):
-        failed = any(proc.returncode not in (None, 0) for proc in procs)
-        if failed or time.monotonic() > deadline:
-            kill_all()
-            if not failed:
-                texts = outputs()
-                shown = "\n".join(
-                    f"--- node {i}: {' '.join(cmd)}\n{text[-3000:]}"
-                    for i, (cmd, text) in enumerate(zip(cmds, texts, strict=True))
-                )
-                raise AssertionError(f"timed out after {timeout} s\n{shown}")
-            break
-        time.sleep(0.5)
+    if timed_out:
+        shown = "\n".join(
+            f"--- node {i}: {' '.join(cmd)}\n{text[-3000:]}"
+            for i, (cmd, text) in enumerate(zip(cmds, texts, strict=True))
+        )
+        raise AssertionError(f"timed out after {timeout} s\n{shown}")
     return [
         Launch(cmd, proc.returncode, text, output_dir)
-        for cmd, proc, text in zip(cmds, procs, outputs(), strict=True)
+        for cmd, proc, text in zip(cmds, procs, texts, strict=True)
     ]
