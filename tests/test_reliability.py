@@ -203,3 +203,32 @@ def test_sigterm_saves_at_the_next_step_and_resume_is_exact(tmp_path):
     # Same strategy, world size and RNG streams: the same losses as the run that never stopped.
     for got, want in zip(resumed.train_log, reference.train_log, strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6), got["step"]
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_for_resume(tmp_path):
+    out = tmp_path / "run"
+    args = [*LONG_RUN, "--max-steps", "500", "--save-steps", "3", "--save-total-limit", "0"]
+    job = Job(accelerate_cmd(DDP, *args, "--output-dir", str(out)), out)
+    ckpts = out / "checkpoints"
+    partial = ckpts / ".tmp-step-000006"
+    deadline = time.monotonic() + 300
+    while not partial.exists():  # the save of step 6 has begun (step 3's is complete)
+        assert job.proc.poll() is None and time.monotonic() < deadline, job.output()[-3000:]
+        time.sleep(0.005)
+    job.ranks()[0].kill()  # the rank that writes, in the middle of writing
+    code, _ = job.wait(timeout=120)
+    assert code != 0
+    assert not (ckpts / "step-000006").exists(), "the save finished before the kill"
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-000003"]
+    assert checkpoint.verify_checkpoint(ckpts / "step-000003").step == 3
+
+    resumed = run(
+        accelerate_cmd(DDP, *LONG_RUN, "--max-steps", "8", "--save-steps", "0",
+                       "--resume", "latest", "--output-dir", str(out)),
+        out,
+    ).check()  # fmt: skip
+    assert "resuming from step 3" in resumed.output
+    assert [r["step"] for r in resumed.train_log] == list(range(1, 9))
+    # The interrupted save's leftovers are gone with the next save of that name or
+    # stay hidden: only complete checkpoints are listed.
+    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-000003", "step-000008"]
