@@ -123,7 +123,7 @@ def load_classification_splits(
     """A ``DatasetDict`` with train/validation/test and integer labels 0..K-1.
 
     Returns ``(splits, label_names)``. A single-split source is split with a fixed
-    seed (stratified by label) so every run, strategy and world size sees the
+    seed (a random split, not stratified) so every run, strategy and world size sees the
     same examples.
     """
     import datasets
