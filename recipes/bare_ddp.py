@@ -74,6 +74,8 @@ def main() -> None:
                 step_cpu_s=now_cpu - last_cpu,
             )
         last, last_cpu = time.perf_counter(), time.process_time()
+    # A barrier before the teardown: see bare_deepspeed.py.
+    dist.barrier()
     dist.destroy_process_group()
 
 
