@@ -198,18 +198,18 @@ def full_fp32_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
     from deepspeed.utils import safe_get_full_fp32_param
 
     module = accelerator.unwrap_model(model)
-    state = module.state_dict() if accelerator.is_main_process else None
+    gathered = {}
     for name, param in module.named_parameters():
         full = safe_get_full_fp32_param(param)
-        if full is None:
-            full = param.detach()
-        if state is not None:
-            state[name] = full.to("cpu", torch.float32).clone()
-    if state is not None:
-        for name, value in state.items():
-            if value.is_floating_point():
-                state[name] = value.to("cpu", torch.float32)
-    return state
+        if accelerator.is_main_process:  # a copy: the live parameters keep training
+            gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
+    if not accelerator.is_main_process:
+        return None
+    # Buffers come from the module itself; floating tensors are stored in fp32.
+    return {
+        name: (value.to("cpu", torch.float32) if value.is_floating_point() else value.cpu())
+        for name, value in {**module.state_dict(), **gathered}.items()
+    }
 
 
 def _relink_zero_moments(zero, torch_opt) -> None:
@@ -357,16 +357,20 @@ def _set_rng_state(state: dict) -> None:
 # ---------------------------------------------------------------------------
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def _fsync_tree(root: Path) -> None:
     for dirpath, _, filenames in os.walk(root):
         for name in filenames:
             with open(Path(dirpath) / name, "rb") as f:
                 os.fsync(f.fileno())
-        fd = os.open(dirpath, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_dir(Path(dirpath))
 
 
 def _write_manifest(root: Path) -> None:
@@ -423,7 +427,7 @@ def save_checkpoint(
         if final.exists():  # a rerun of the same step: the new one replaces it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        _fsync_tree(final.parent)
+        _fsync_dir(final.parent)  # the rename itself; the files were synced above
         if keep_last > 0:
             for old in list_checkpoints(output_dir)[:-keep_last]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -210,21 +210,15 @@ def is_sequence_classifier(model_config) -> bool:
     )
 
 
-def check_classification_data(model_cfg, data_cfg, train_cfg, model_config) -> list[str]:
-    """Load the data as the recipe will and check it, before any process group starts.
-
-    Beyond what :func:`load_classification_splits` refuses (a missing column, no
-    examples, negative labels, too few examples to split), the data must fit the
-    model: a model that already has a classification head takes exactly its own
-    number of classes. Training needs one full micro-batch (the last incomplete
-    batch is dropped). Returns the label names.
-    """
+def load_data_splits(data_cfg):
+    """``load_classification_splits`` for a :class:`~dpkit.config.DataConfig`, without
+    progress bars (it runs on every rank, before the recipe quiets the others)."""
     import datasets
 
     bars_were_on = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()  # the recipe's own loading shows them, once
+    datasets.disable_progress_bars()
     try:
-        splits, label_names = load_classification_splits(
+        return load_classification_splits(
             data_cfg.dataset,
             text_column=data_cfg.text_column,
             label_column=data_cfg.label_column,
@@ -235,6 +229,21 @@ def check_classification_data(model_cfg, data_cfg, train_cfg, model_config) -> l
     finally:
         if bars_were_on:
             datasets.enable_progress_bars()
+
+
+def check_classification_data(
+    model_cfg, data_cfg, train_cfg, model_config, loaded=None
+) -> list[str]:
+    """Check the data (``loaded`` by :func:`load_data_splits`, else loaded here) before
+    any process group starts.
+
+    Beyond what :func:`load_classification_splits` refuses (a missing column, no
+    examples, negative labels, too few examples to split), the data must fit the
+    model: a model that already has a classification head takes exactly its own
+    number of classes. Training needs one full micro-batch (the last incomplete
+    batch is dropped). Returns the label names.
+    """
+    splits, label_names = loaded if loaded is not None else load_data_splits(data_cfg)
 
     classes = model_config.num_labels
     if is_sequence_classifier(model_config) and len(label_names) != classes:

@@ -345,3 +345,25 @@ def collect_report(
         notes=notes,
         largest_param=largest_param(model),
     )
+
+
+def write_report(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    *,
+    strategy: str,
+    precision: str,
+    path: Any,
+    step: int,
+) -> MemoryReport | None:
+    """The end-of-run report (a collective): gathered from every rank, then on the main
+    process saved as JSON at ``path``, printed as a table and logged under ``memory/*``."""
+    report = collect_report(
+        accelerator, model, optimizer, strategy=strategy, precision=precision, step=step
+    )
+    if report is not None:
+        report.save(path)
+        logger.info("memory per rank\n%s", report.format_table())
+        accelerator.log(report.tracker_scalars(), step=step)
+    return report

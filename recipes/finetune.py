@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from dpkit import checkpoint, guards, memory
 from dpkit.config import config_dict, parse_finetune_args
-from dpkit.data import check_classification_data, load_classification_splits
+from dpkit.data import check_classification_data, load_data_splits
 from dpkit.errors import EXIT_USAGE, UsageError
 from dpkit.models import count_parameters, load_model_config, max_positions
 from dpkit.run_output import RunOutput
@@ -46,18 +46,12 @@ METRICS_DIR = Path(__file__).resolve().parents[1] / "dpkit" / "metrics"
 logger = logging.getLogger("dpkit.finetune")
 
 
-def get_dataloaders(data_cfg, model_cfg, tokenizer, accelerator, micro_batch_size):
-    """Tokenize with ``datasets.map`` (cached) and batch with a padding collator."""
+def get_dataloaders(loaded, data_cfg, model_cfg, tokenizer, accelerator, micro_batch_size):
+    """Tokenize the splits the pre-flight loaded with ``datasets.map`` (cached) and
+    batch them with a padding collator."""
     from transformers import DataCollatorWithPadding
 
-    splits, label_names = load_classification_splits(
-        data_cfg.dataset,
-        text_column=data_cfg.text_column,
-        label_column=data_cfg.label_column,
-        validation_fraction=data_cfg.validation_fraction,
-        test_fraction=data_cfg.test_fraction,
-        split_seed=data_cfg.split_seed,
-    )
+    splits, label_names = loaded
     if data_cfg.max_train_samples:
         splits["train"] = splits["train"].select(
             range(min(data_cfg.max_train_samples, len(splits["train"])))
@@ -150,7 +144,9 @@ def main() -> None:
             raise UsageError(
                 f"--max-seq-length={model_cfg.max_seq_length}: over the model's limit of {limit} positions"
             )
-        check_classification_data(model_cfg, data_cfg, train_cfg, hf_config)
+        # Loaded once, here, so that bad data stops the job before any process group.
+        data = load_data_splits(data_cfg)
+        check_classification_data(model_cfg, data_cfg, train_cfg, hf_config, loaded=data)
         resume = checkpoint.resolve_resume(train_cfg.resume, train_cfg.output_dir)
         if resume is not None:
             checkpoint.check_resumable(
@@ -210,7 +206,7 @@ def main() -> None:
     # Data.
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     train_loader, eval_loaders, label_names = get_dataloaders(
-        data_cfg, model_cfg, tokenizer, accelerator, train_cfg.micro_batch_size
+        data, data_cfg, model_cfg, tokenizer, accelerator, train_cfg.micro_batch_size
     )
 
     # Model: a fresh classification head on the pretrained encoder, the same on every
@@ -438,17 +434,15 @@ def main() -> None:
         save_checkpoint(epoch, batches_done)
 
     # Report: memory (gathered from every rank), then the final evaluations.
-    report = memory.collect_report(
+    memory.write_report(
         accelerator,
         model,
         optimizer,
         strategy=strategy.choice.name,
         precision=strategy.analytic_precision,
+        path=run.path / "memory_report.json",
+        step=step,
     )
-    if report is not None:
-        report.save(run.path / "memory_report.json")
-        logger.info("memory per rank\n%s", report.format_table())
-        accelerator.log(report.tracker_scalars(), step=step)
     final = {
         split: evaluate_split(accelerator, model, eval_loaders[split], metrics)
         for split in ("validation", "test")

@@ -243,18 +243,15 @@ def main() -> None:
     progress.close()
 
     # Memory, gathered from every rank (a collective), reported by the main process.
-    report = memory.collect_report(
+    memory.write_report(
         accelerator,
         model,
         optimizer,
         strategy=strategy.choice.name,
         precision=strategy.analytic_precision,
+        path=run.path / "memory_report.json",
         step=step,
     )
-    if report is not None:
-        report.save(run.path / "memory_report.json")
-        logger.info("memory per rank\n%s", report.format_table())
-        accelerator.log(report.tracker_scalars(), step=step)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 

@@ -247,3 +247,10 @@ def run_nodes(
         Launch(cmd, proc.returncode, text, output_dir)
         for cmd, proc, text in zip(cmds, procs, texts, strict=True)
     ]
+
+
+def run_captured(cmd: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    """A short single-process command from the repo root, stdout and stderr kept apart."""
+    return subprocess.run(
+        cmd, cwd=REPO, env=launch_env(), capture_output=True, text=True, timeout=timeout
+    )

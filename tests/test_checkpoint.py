@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 from dpkit import checkpoint
 from dpkit.errors import UsageError
-from tests.harness import REPO, accelerate_cmd, launch_env, python_cmd, run
+from tests.harness import REPO, accelerate_cmd, python_cmd, run, run_captured
 
 pytestmark = pytest.mark.multiprocess
 
@@ -175,14 +174,7 @@ print("accuracy", (preds == torch.tensor(list(test["label"]))).float().mean().it
 print("dtype", next(model.parameters()).dtype)
 print("deepspeed imported", "deepspeed" in sys.modules)
 """
-    out = subprocess.run(
-        [sys.executable, "-c", script],
-        cwd=REPO,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    out = run_captured([sys.executable, "-c", script])
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.rsplit(" ", 1) for line in out.stdout.splitlines() if line)
     assert lines["deepspeed imported"] == "False"

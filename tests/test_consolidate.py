@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.harness import BIN, REPO, free_port, launch_env, python_cmd, run
+from tests.harness import BIN, free_port, python_cmd, run, run_captured
 
 pytestmark = pytest.mark.multiprocess
 
@@ -47,20 +47,16 @@ ZERO2_SCRIPT = textwrap.dedent(
     full = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
     if engine.global_rank == 0:
         save_file(full, out + "/reference_fp32.safetensors")
+    # As in recipes/bare_deepspeed.py: without both, a rank can abort at exit.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
     """
 )
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def _dpkit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(BIN / "dpkit"), *args],
-        cwd=REPO,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return run_captured([str(BIN / "dpkit"), *args])
 
 
 def _load_without_deepspeed(model_dir) -> dict[str, torch.Tensor]:
@@ -71,14 +67,7 @@ def _load_without_deepspeed(model_dir) -> dict[str, torch.Tensor]:
         "import torch; torch.save(dict(m.named_parameters()), sys.argv[1])\n"
     )
     dump = model_dir.parent / f"{model_dir.name}.pt"
-    done = subprocess.run(
-        [sys.executable, "-c", script, str(dump)],
-        cwd=REPO,
-        env=launch_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_captured([sys.executable, "-c", script, str(dump)])
     assert done.returncode == 0, done.stderr[-3000:]
     return torch.load(dump, weights_only=True)
 
