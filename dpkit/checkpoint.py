@@ -69,6 +69,24 @@ class TrainerState:
     seed: int
     format_version: int = FORMAT_VERSION
 
+    @classmethod
+    def at(
+        cls, run_info, *, step: int, epoch: int, samples_in_epoch: int, seed: int
+    ) -> TrainerState:
+        """The state at ``step`` of the run that ``run_info`` (a strategy.RunInfo) describes."""
+        return cls(
+            step=step,
+            epoch=epoch,
+            samples_in_epoch=samples_in_epoch,
+            global_batch_size=run_info.global_batch_size,
+            micro_batch_size=run_info.micro_batch_size,
+            gradient_accumulation_steps=run_info.gradient_accumulation_steps,
+            world_size=run_info.world_size,
+            strategy=run_info.strategy,
+            precision=run_info.precision,
+            seed=seed,
+        )
+
     def describe(self) -> str:
         return (
             f"step {self.step} (epoch {self.epoch}, {self.samples_in_epoch} examples in), "

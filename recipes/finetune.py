@@ -297,18 +297,13 @@ def main() -> None:
     def save_checkpoint(epoch: int, batches_done: int) -> Path:
         """The full state after ``step``; collective (every rank calls it)."""
         epoch_done = batches_done >= len(train_loader)
-        state = checkpoint.TrainerState(
+        state = checkpoint.TrainerState.at(
+            run_info,
             step=step,
             epoch=epoch + 1 if epoch_done else epoch,
             samples_in_epoch=0
             if epoch_done
-            else batches_done * train_cfg.micro_batch_size * world_size,
-            global_batch_size=strategy.global_batch_size,
-            micro_batch_size=train_cfg.micro_batch_size,
-            gradient_accumulation_steps=train_cfg.gradient_accumulation_steps,
-            world_size=world_size,
-            strategy=strategy.choice.name,
-            precision=strategy.precision,
+            else batches_done * run_info.micro_batch_size * world_size,
             seed=train_cfg.seed,
         )
         path = checkpoint.save_checkpoint(
