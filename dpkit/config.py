@@ -253,6 +253,12 @@ class TrainConfig:
         default=True, metadata={"help": "Save the final model (save_pretrained)."}
     )
     """Write the final model as a Hugging Face folder in ``<output_dir>/model``."""
+    save_checkpoints: bool = field(
+        default=True,
+        metadata={"help": "Write checkpoints (every --save-steps and at the end)."},
+    )
+    """``--no-save-checkpoints``: write none (throwaway runs, sweeps, CI); SIGTERM then exits
+    without saving."""
     save_steps: int = field(
         default=100,
         metadata={

@@ -402,17 +402,26 @@ def main() -> None:
                 run.append_jsonl("metrics.jsonl", {"step": step, "split": "validation", **result})
                 accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=step)
             scheduled = train_cfg.save_steps and step % train_cfg.save_steps == 0
-            if status.stop or (scheduled and step < total_steps):
+            if train_cfg.save_checkpoints and (status.stop or (scheduled and step < total_steps)):
                 last_checkpoint = save_checkpoint(epoch, batches_done)
             if status.stop:
-                logger.info(
-                    "dpkit: stopped by %s after step %d/%d; resume with --resume latest "
-                    "(or --resume %s)",
-                    stop.name,
-                    step,
-                    total_steps,
-                    last_checkpoint,
-                )
+                if train_cfg.save_checkpoints:
+                    logger.info(
+                        "dpkit: stopped by %s after step %d/%d; resume with --resume latest "
+                        "(or --resume %s)",
+                        stop.name,
+                        step,
+                        total_steps,
+                        last_checkpoint,
+                    )
+                else:
+                    logger.info(
+                        "dpkit: stopped by %s after step %d/%d; nothing saved "
+                        "(--no-save-checkpoints)",
+                        stop.name,
+                        step,
+                        total_steps,
+                    )
                 accelerator.end_training()
                 raise SystemExit(stop.exit_code)
             if step >= total_steps:
@@ -425,7 +434,7 @@ def main() -> None:
             break
     progress.close()
     train_seconds = time.perf_counter() - started
-    if not train_cfg.eval_only:
+    if train_cfg.save_checkpoints and not train_cfg.eval_only:
         save_checkpoint(epoch, batches_done)
 
     # Report: memory (gathered from every rank), then the final evaluations.

@@ -3,11 +3,41 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 SHM = Path("/dev/shm")
+# A recipe run writes up to ~0.6 GB (fp32 model 91 MB, a checkpoint 270 MB); the heaviest
+# module holds about 3 GB at once. Below this the session would fail half-way, in runs
+# that die on ENOSPC with errors about everything but the disk.
+MIN_FREE_DISK_GIB = 6
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    root = Path(session.config.option.basetemp or tempfile.gettempdir()).absolute()
+    while not root.exists():
+        root = root.parent
+    free_gib = shutil.disk_usage(root).free / 2**30
+    if free_gib < MIN_FREE_DISK_GIB:
+        pytest.exit(
+            f"only {free_gib:.1f} GiB free under {root}; the tests need {MIN_FREE_DISK_GIB} GiB",
+            returncode=2,
+        )
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory, request) -> Iterator[Path]:
+    """A folder for the launches a module shares between its tests; removed after the
+    module unless one of its tests failed (then it is kept for inspection)."""
+    failed_before = request.session.testsfailed
+    path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
+    yield path
+    if request.session.testsfailed == failed_before:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session", autouse=True)

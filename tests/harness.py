@@ -38,6 +38,7 @@ SHORT_RUN = [
     "--warmup-ratio", "0",
     "--dropout", "0",
     "--logging-steps", "1",
+    "--no-save-checkpoints",
     "--overwrite-output-dir",
 ]  # fmt: skip
 

@@ -34,6 +34,8 @@ CK_RUN = [
     "--save-steps", "3",
     "--save-total-limit", "0",
 ]  # fmt: skip
+# Resumed runs are compared by their logs; their own checkpoints and model are not needed.
+LOGS_ONLY = ["--no-save-model", "--no-save-checkpoints"]
 NO_DROPOUT = ["--dropout", "0"]  # runs on different world sizes draw different dropout masks
 YAML = {s: ["--config_file", f"ds_configs/accelerate/{s}.yaml"] for s in ("ddp", "zero1", "zero2")}
 
@@ -64,32 +66,33 @@ def _launch(strategy: str, nproc: int, out: Path, *args: str):
 
 
 # name -> (strategy, processes, extra args); each uninterrupted run is launched once.
+# Only zero2's final model is read (the export test).
 REFERENCES = {
-    "ddp": ("ddp", 2, ["--micro-batch-size", "16"]),
-    "zero1": ("zero1", 2, ["--micro-batch-size", "16"]),
+    "ddp": ("ddp", 2, ["--micro-batch-size", "16", "--no-save-model"]),
+    "zero1": ("zero1", 2, ["--micro-batch-size", "16", "--no-save-model"]),
     "zero2": ("zero2", 2, ["--micro-batch-size", "16"]),
     # Accumulation, and rotation: a checkpoint every step, the last four kept.
     "ddp_accumulation": (
         "ddp",
         2,
         ["--micro-batch-size", "8", "--gradient-accumulation-steps", "2"]
-        + ["--save-steps", "1", "--save-total-limit", "4"],
+        + ["--save-steps", "1", "--save-total-limit", "4", "--no-save-model"],
     ),
-    "zero2_no_dropout": ("zero2", 2, ["--micro-batch-size", "16", *NO_DROPOUT]),
+    "zero2_no_dropout": ("zero2", 2, ["--micro-batch-size", "16", *NO_DROPOUT, "--no-save-model"]),
 }
 _references: dict[str, object] = {}
 
 
-@pytest.fixture(scope="session")
-def reference(tmp_path_factory):
+@pytest.fixture(scope="module")
+def reference(module_tmp):
     def get(name: str):
         if name not in _references:
             strategy, nproc, args = REFERENCES[name]
-            out = tmp_path_factory.mktemp(f"ref-{name}")
-            _references[name] = _launch(strategy, nproc, out, *args)
+            _references[name] = _launch(strategy, nproc, module_tmp / f"ref-{name}", *args)
         return _references[name]
 
-    return get
+    yield get
+    _references.clear()
 
 
 def _step3(ref) -> Path:
@@ -111,7 +114,7 @@ def _check_continues(ref, resumed, rtol: float) -> None:
 def test_resumed_run_equals_the_uninterrupted_one(reference, tmp_path, name):
     ref = reference(name)
     strategy, nproc, args = REFERENCES[name]
-    resumed = _launch(strategy, nproc, tmp_path, *args, "--resume", str(_step3(ref)))
+    resumed = _launch(strategy, nproc, tmp_path, *args, *LOGS_ONLY, "--resume", str(_step3(ref)))
     assert "resuming from step 3 (epoch 0, 96 examples in)" in resumed.output
     assert "RNG streams not restored" not in resumed.output
     _check_continues(ref, resumed, SAME_RUN_RTOL)
@@ -134,7 +137,9 @@ def test_resume_across_world_sizes_and_strategies(
 ):
     ref = reference(source)
     extra = NO_DROPOUT if "no_dropout" in source else []
-    resumed = _launch(strategy, nproc, tmp_path, *args, *extra, "--resume", str(_step3(ref)))
+    resumed = _launch(
+        strategy, nproc, tmp_path, *args, *extra, *LOGS_ONLY, "--resume", str(_step3(ref))
+    )
     assert f"as {strategy} on {nproc} process(es)" in resumed.output
     changed_world = nproc != REFERENCES[source][1]
     assert ("RNG streams not restored (2 -> " in resumed.output) == changed_world

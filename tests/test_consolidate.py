@@ -73,8 +73,8 @@ def _load_without_deepspeed(model_dir) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def zero2_checkpoint(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ds-zero2")
+def zero2_checkpoint(module_tmp):
+    root = module_tmp
     script = root / "train_and_save.py"
     script.write_text(ZERO2_SCRIPT)
     cmd = [str(BIN / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())]

@@ -64,18 +64,19 @@ LAUNCHES = {
 _cache: dict[str, object] = {}
 
 
-@pytest.fixture(scope="session")
-def launched(tmp_path_factory):
-    """Run each launch form at most once per session; the equivalence tests reuse them."""
+@pytest.fixture(scope="module")
+def launched(module_tmp):
+    """Run each launch form at most once; the equivalence tests reuse them."""
 
     def get(name: str):
         if name not in _cache:
-            out = tmp_path_factory.mktemp(name)
+            out = module_tmp / name
             build, _ = LAUNCHES[name]
             _cache[name] = run(build(str(out)), out).check()
         return _cache[name]
 
-    return get
+    yield get
+    _cache.clear()
 
 
 def test_deepspeed_launcher_run_leaves_no_shared_memory_behind(launched):
@@ -123,6 +124,7 @@ def test_launch_form_runs_what_it_says(launched, name):
     assert result.final("validation")["samples"] == 101
     assert (result.output_dir / "model" / "model.safetensors").is_file()
     assert (result.output_dir / "model" / "tokenizer.json").is_file()
+    assert not (result.output_dir / "checkpoints").exists()  # --no-save-checkpoints
     if name == "python":  # --report-to tensorboard, through accelerate's trackers
         assert list(result.output_dir.rglob("events.out.tfevents.*"))
 

@@ -41,6 +41,7 @@ MEMORY_RUN = [
     "--logging-steps", "1",
     "--dropout", "0",
     "--no-save-model",
+    "--no-save-checkpoints",
     "--overwrite-output-dir",
 ]  # fmt: skip
 
@@ -78,8 +79,8 @@ def launch_report(strategy: str, world_size: int, root: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs_root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("memory_runs")
+def runs_root(module_tmp) -> Path:
+    return module_tmp
 
 
 def _within(measured: float, expected: float, rel: float) -> bool:

@@ -81,18 +81,19 @@ SAME_STRATEGY_RTOL = 1e-5
 _references: dict[str, object] = {}
 
 
-@pytest.fixture(scope="session")
-def one_node(tmp_path_factory):
-    """The 1 node x 2 processes reference of a strategy, launched at most once per session."""
+@pytest.fixture(scope="module")
+def one_node(module_tmp):
+    """The 1 node x 2 processes reference of a strategy, launched at most once."""
 
     def get(strategy: str):
         if strategy not in _references:
-            out = tmp_path_factory.mktemp(f"one_node_{strategy}")
+            out = module_tmp / f"one_node_{strategy}"
             cmd = accelerate_cmd(REFERENCES[strategy], *SHORT_RUN, "--output-dir", str(out))
             _references[strategy] = run(cmd, out).check()
         return _references[strategy]
 
-    return get
+    yield get
+    _references.clear()
 
 
 def _max_rel_diff(a: list[float], b: list[float]) -> float:

@@ -29,6 +29,7 @@ LONG_RUN = [
     "--max-seq-length", "32",
     "--max-eval-samples", "16",
     "--logging-steps", "1",
+    "--no-save-model",
 ]  # fmt: skip
 DDP = ["--config_file", "ds_configs/accelerate/ddp.yaml", "--num_processes", "2"]
 ZERO2 = ["--config_file", "ds_configs/accelerate/zero2.yaml", "--num_processes", "2"]

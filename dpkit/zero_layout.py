@@ -1,0 +1,148 @@
+"""Gradient memory per rank as DeepSpeed ZeRO-1/2 really holds it, from the parameter layout.
+
+The ZeRO paper counts a rank's gradients as Psi/N under stage 2 (:mod:`dpkit.analytic`).
+DeepSpeed (``stage_1_and_2.py``, 0.19) holds more, for three reasons that depend on
+the sizes and order of the parameters, not only on their total:
+
+1. **Whole parameters.** Each optimizer group is flattened (in group order, padded to
+   a multiple of 2N elements) and cut into N equal partitions. A rank keeps the
+   gradient of every parameter that *touches* its partition, whole
+   (``params_in_partition``; ``grads_in_partition`` is sized by whole parameters).
+   A word embedding straddling a boundary is held whole by each rank it touches.
+2. **Parameters larger than the reduce bucket** are reduced alone, with their full
+   gradient alive beside what the rank already holds; with ``contiguous_gradients``
+   also beside their own slot in the pre-sized partition buffer.
+3. **The step's flat copy.** At the step, per group, DeepSpeed flattens the rank's
+   gradient partition into a new tensor (``flatten``; a view when the partition lies
+   in one parameter) and casts it to fp32 for the master's ``.grad``, while the
+   gradients it copies, and those of the groups not stepped yet, are still held.
+
+ZeRO-1 keeps every full gradient until backward ends (``reduce_gradients``), then
+the same step as ZeRO-2. :func:`gradient_high_water` returns, per rank, the largest
+of these moments: the figure the memory report measures as ``grads``
+(``dpkit.memory_probes`` probes the same points), and the one ``dpkit plan`` predicts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# DeepSpeed's nccl_start_alignment_factor: each flat group is padded to a multiple
+# of this times N elements.
+ALIGNMENT_FACTOR = 2
+
+
+@dataclass(frozen=True)
+class GroupPartition:
+    """One optimizer group's flat layout on one rank."""
+
+    partition_numel: int
+    """Elements of each rank's partition (the padded group divided by N)."""
+    whole_numel: int
+    """Elements of the parameters touching this rank's partition, counted whole."""
+    tensors_in_partition: int
+    """How many parameters touch the partition (1: the flat copy is a view)."""
+    last_rank: bool
+    """The last rank flattens with padding: always a copy."""
+
+
+def partition_group(numels: Sequence[int], world_size: int, rank: int) -> GroupPartition:
+    """Where one group's parameters (in group order) fall for ``rank`` of ``world_size``."""
+    if world_size <= 0 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of world size {world_size}")
+    alignment = ALIGNMENT_FACTOR * world_size
+    padded = int(math.ceil(sum(numels) / alignment)) * alignment
+    size = padded // world_size
+    start, end = rank * size, (rank + 1) * size
+    whole = count = 0
+    offset = 0
+    for numel in numels:
+        # DeepSpeed's test: the parameter starts inside the partition, or straddles its start.
+        if start <= offset < end or offset < start < offset + numel:
+            whole += numel
+            count += 1
+        offset += numel
+    return GroupPartition(size, whole, count, rank == world_size - 1)
+
+
+@dataclass(frozen=True)
+class GradientHighWater:
+    """One rank's largest gradient holding, in bytes, and the moment it happens."""
+
+    rank: int
+    bytes: float
+    moment: str
+    partition_bytes: float
+    """The paper's share: this rank's partitions in the module dtype."""
+
+
+def gradient_high_water(
+    groups: Sequence[Sequence[int]],
+    *,
+    stage: int,
+    world_size: int,
+    module_bytes: int,
+    reduce_bucket_size: int,
+    contiguous_gradients: bool,
+) -> list[GradientHighWater]:
+    """Per rank, the largest gradient bytes DeepSpeed ZeRO ``stage`` (1 or 2) holds.
+
+    Args:
+        groups: numel of every trainable parameter, per optimizer group, in the
+            order the optimizer holds them (DeepSpeed keeps that order unless
+            ``round_robin_gradients``, which dpkit leaves off).
+        stage: ZeRO stage, 1 or 2.
+        world_size: data-parallel ranks N.
+        module_bytes: bytes per element of the module's gradients (4 fp32, 2 bf16/fp16).
+        reduce_bucket_size: DeepSpeed's ``reduce_bucket_size`` (elements).
+        contiguous_gradients: DeepSpeed's ``contiguous_gradients``.
+    """
+    if stage not in (1, 2):
+        raise ValueError(f"stage must be 1 or 2, got {stage}")
+    total = sum(sum(g) for g in groups)
+    largest = max((n for g in groups for n in g), default=0)
+    rows = []
+    for rank in range(world_size):
+        parts = [partition_group(g, world_size, rank) for g in groups]
+        whole = [p.whole_numel for p in parts]
+        moments: dict[str, float] = {}
+        if stage == 1:
+            moments["end of backward (every full gradient)"] = module_bytes * total
+        else:
+            held = sum(whole)
+            if largest > reduce_bucket_size:
+                # Whether the largest parameter is already counted in this rank's whole set.
+                in_partition = any(
+                    _touches(g, world_size, rank, largest) for g in groups if largest in g
+                )
+                if contiguous_gradients or not in_partition:
+                    held += largest
+            moments["backward (partition + a parameter larger than the bucket)"] = (
+                module_bytes * held
+            )
+        for i, part in enumerate(parts):
+            still_held = module_bytes * sum(whole[i:])
+            copies = part.last_rank or part.tensors_in_partition > 1
+            flat = module_bytes * part.partition_numel if copies else 0.0
+            # The fp32 cast is a second copy unless the gradients already are fp32.
+            fp32 = 4.0 * part.partition_numel if module_bytes != 4 else 0.0
+            moments[f"step, group {i} (flat copy of the partition)"] = still_held + flat + fp32
+        moment = max(moments, key=moments.__getitem__)
+        partition = module_bytes * sum(p.partition_numel for p in parts)
+        rows.append(GradientHighWater(rank, moments[moment], moment, partition))
+    return rows
+
+
+def _touches(numels: Sequence[int], world_size: int, rank: int, target: int) -> bool:
+    """Whether the first parameter of ``target`` elements touches ``rank``'s partition."""
+    alignment = ALIGNMENT_FACTOR * world_size
+    size = int(math.ceil(sum(numels) / alignment)) * alignment // world_size
+    start, end = rank * size, (rank + 1) * size
+    offset = 0
+    for numel in numels:
+        if numel == target:
+            return start <= offset < end or offset < start < offset + numel
+        offset += numel
+    return False
