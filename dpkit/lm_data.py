@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.errors import EXIT_USAGE, UsageError
+from dpkit.models import max_positions
 from dpkit.run_output import RunOutput
 
 BYTE_VOCAB = 256
@@ -170,14 +171,6 @@ def model_config(workload: LMWorkload) -> Any:
     return config
 
 
-def max_positions(config: Any) -> int | None:
-    for key in ("n_positions", "max_position_embeddings", "max_seq_len"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def hidden_size(config: Any) -> int | None:
     value = getattr(config, "hidden_size", None) or getattr(config, "n_embd", None)
     return int(value) if value else None
@@ -195,15 +188,6 @@ def build_model(config: Any, seed: int) -> Any:
         # rank and falls back to the causal-LM loss: name that loss and skip the warning.
         model.loss_type = "ForCausalLM"
     return model
-
-
-def adamw_param_groups(model: Any, weight_decay: float) -> list[dict[str, Any]]:
-    """Decay matrices only (GPT-2's convention): biases and LayerNorm weights are 1-D."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
-    ]
 
 
 # ---- data -----------------------------------------------------------------------------------

@@ -42,11 +42,13 @@ REASONS: dict[str, str] = {
         "high-water rose 86.6 -> 131.4 MiB; on for ZeRO-2 on CUDA only, where it buys overlap"
     ),
     "contiguous_gradients": (
-        "ZeRO-2 pre-sizes grads_in_partition for every parameter touching the partition, and "
-        "a parameter larger than the bucket is reduced last with its own full gradient still "
-        "alive: both coexist. Off when the largest parameter exceeds the bucket and a quarter "
-        "of the partition (MiniLM's word embedding: measured rank-2 gradient high-water 110.5 "
-        "-> 87.4 MiB at 4 ranks); otherwise on, against allocator fragmentation on CUDA"
+        "ZeRO-1 and -2 pre-size grads_in_partition for every parameter touching the "
+        "partition, and a parameter larger than the bucket is reduced with its own full "
+        "gradient (ZeRO-1: with every gradient not reduced yet) still alive: both coexist. Off "
+        "when the largest parameter exceeds the bucket and a quarter of the partition "
+        "(MiniLM's word embedding at 4 ranks, measured worst-rank gradient high-water: ZeRO-2 "
+        "110.5 -> 87.4 MiB, ZeRO-1 107.7 -> 87.5 MiB); otherwise on, against allocator "
+        "fragmentation on CUDA"
     ),
     "round_robin_gradients": (
         "memory-neutral (measured identical breakdowns); it reorders reduction for CPU offload"
@@ -111,7 +113,7 @@ def zero_memory_settings(
         "allgather_bucket_size": bucket,
         # ZeRO-1 reduces after backward; overlapping moves it into backward (more memory).
         "overlap_comm": bool(on_cuda and stage == 2),
-        "contiguous_gradients": not (stage == 2 and large_late_param),
+        "contiguous_gradients": not large_late_param,
         "round_robin_gradients": False,
         "reduce_scatter": True,
     }

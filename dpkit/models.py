@@ -56,3 +56,17 @@ def count_parameters(model, trainable_only: bool = False) -> int:
     Not deduplicated by ``data_ptr``, which is 0 for every tensor on the meta device.
     """
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+def adamw_param_groups(model, weight_decay: float) -> list[dict]:
+    """The recipes' two optimizer groups: matrices and embeddings decay, biases and norm
+    weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order.
+
+    DeepSpeed flattens and partitions each group on its own, so ``dpkit plan`` lays the
+    gradients out from these same groups (:mod:`dpkit.zero_layout`).
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]

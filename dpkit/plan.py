@@ -36,12 +36,13 @@ its output and the command line.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from dpkit.activations import ActivationProfile, _act_bytes, activation_profile
-from dpkit.analytic import PRECISIONS, model_state_bytes
+from dpkit.analytic import PRECISIONS, ZERO_STAGE, model_state_bytes
 from dpkit.errors import UsageError
 from dpkit.plan_inputs import (
     PERSISTENCE_THRESHOLD,
@@ -53,6 +54,7 @@ from dpkit.plan_inputs import (
     parse_count,
     parse_memory,
 )
+from dpkit.zero_layout import GradientHighWater, gradient_high_water
 
 GIB = 2**30
 
@@ -108,9 +110,15 @@ def buffer_settings(spec: ModelSpec, world_size: int = 1, on_cuda: bool = True) 
         dpkit_settings.ddp_kwargs().get("gradient_as_bucket_view", False)
     )
     if spec.hidden_size:  # a bare --params has no hidden size: DeepSpeed's defaults stand
+        largest = max((n for group in spec.param_groups for n in group), default=None)
         settings.update(
             dpkit_settings.zero_memory_settings(
-                spec.num_params, spec.hidden_size, world_size=world_size, stage=2, on_cuda=on_cuda
+                spec.num_params,
+                spec.hidden_size,
+                world_size=world_size,
+                stage=2,
+                largest_param_numel=largest,
+                on_cuda=on_cuda,
             )
         )
     return settings
@@ -151,7 +159,9 @@ def buffer_bytes(
     return parts
 
 
-def step_bytes(strategy: str, optimizer: str, num_params: int, world_size: int) -> dict[str, float]:
+def step_bytes(
+    strategy: str, optimizer: str, num_params: int, world_size: int, grads_laid_out: bool = False
+) -> dict[str, float]:
     """Per-GPU temporaries of the optimizer step, by name.
 
     They exist after backward has freed the activations, so a step's peak is
@@ -159,7 +169,9 @@ def step_bytes(strategy: str, optimizer: str, num_params: int, world_size: int) 
 
     * ZeRO (not offloaded): the fp32 copy of this rank's gradient partition
       the step reads (DeepSpeed's estimator counts it as "4 bytes grads
-      32bit"); offload builds it in host memory.
+      32bit"); offload builds it in host memory. With the parameter layout
+      known (``grads_laid_out``) it is part of the step's gradients instead
+      (:mod:`dpkit.zero_layout`).
     * torch AdamW (dpkit's optimizer; foreach on GPUs): one fp32 temporary
       the size of the parameters it updates (``exp_avg_sq_sqrt``): all of
       them under DDP, this rank's partition under ZeRO, none on the GPU under
@@ -168,7 +180,7 @@ def step_bytes(strategy: str, optimizer: str, num_params: int, world_size: int) 
     psi, n = float(num_params), float(world_size)
     updated_here = {"ddp": psi, "zero2_offload": 0.0}.get(strategy, psi / n)
     parts: dict[str, float] = {}
-    if strategy not in ("ddp", "zero2_offload"):
+    if strategy not in ("ddp", "zero2_offload") and not grads_laid_out:
         parts["fp32_grad_partition"] = 4 * psi / n
     if optimizer in ("adamw", "adam"):
         parts["optimizer_temporaries"] = 4 * updated_here
@@ -257,7 +269,15 @@ class StrategyEstimate:
     params: float = 0.0
     """Module parameters on the GPU."""
     grads: float = 0.0
-    """Gradients on the GPU."""
+    """Gradients on the GPU at their high-water (the memory report's ``grads``)."""
+    grads_backward: float | None = None
+    """Gradients while activations are alive, where that differs from ``grads``."""
+    grads_step: float | None = None
+    """Gradients during the optimizer step, where that differs from ``grads``."""
+    grads_paper: float = 0.0
+    """The ZeRO paper's figure (Psi/N under stage 2), for comparison."""
+    grads_where: str = ""
+    """Which rank holds ``grads`` and when (ZeRO-1/2 with the layout known)."""
     optimizer: float = 0.0
     """Optimizer state on the GPU."""
     master: float = 0.0
@@ -287,7 +307,14 @@ class StrategyEstimate:
     @property
     def total(self) -> float:
         """The peak: backward's (with activations) or the step's, whichever is larger."""
-        return self.model_states + self.buffers + self.reserve + max(self.activations, self.step)
+        backward = self.activations + (
+            self.grads if self.grads_backward is None else self.grads_backward
+        )
+        step = self.step + (self.grads if self.grads_step is None else self.grads_step)
+        return (
+            self.params + self.optimizer + self.master + self.buffers + self.reserve
+            + max(backward, step)
+        )  # fmt: skip
 
 
 def _analytic_optimizer(strategy: str, optimizer: str) -> str | None:
@@ -303,6 +330,54 @@ def _analytic_optimizer(strategy: str, optimizer: str) -> str | None:
     if strategy == "zero2_offload" and optimizer in ("adamw", "adam"):
         return "cpu_adam"
     return optimizer
+
+
+def gradient_layout(
+    inputs: PlanInputs, strategy: str, settings: dict[str, Any]
+) -> GradientHighWater | None:
+    """ZeRO-1/2's gradient holding on its worst rank, from the parameter layout
+    (:mod:`dpkit.zero_layout`); None where the paper's figure stands (DDP holds
+    exactly its gradients, offload keeps them off the GPU, ZeRO-3 is for reference,
+    and a bare ``--params`` has no layout)."""
+    if strategy not in ("zero1", "zero2") or not inputs.model.param_groups:
+        return None
+    return _worst_rank_gradients(
+        inputs.model.param_groups,
+        ZERO_STAGE[strategy],
+        inputs.world_size,
+        4 if inputs.precision == "fp32" else 2,
+        settings["reduce_bucket_size"],
+        settings["contiguous_gradients"],
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _worst_rank_gradients(
+    groups: tuple[tuple[int, ...], ...],
+    stage: int,
+    world_size: int,
+    module_bytes: int,
+    reduce_bucket_size: int,
+    contiguous_gradients: bool,
+) -> GradientHighWater:
+    # Cached: the micro-batch search asks for the same layout dozens of times.
+    ranks = gradient_high_water(
+        groups,
+        stage=stage,
+        world_size=world_size,
+        module_bytes=module_bytes,
+        reduce_bucket_size=reduce_bucket_size,
+        contiguous_gradients=contiguous_gradients,
+    )
+    worst = max(ranks, key=lambda r: r.bytes)
+    # The peak of each phase may sit on another rank than the overall high-water.
+    return GradientHighWater(
+        rank=worst.rank,
+        backward=max(r.backward for r in ranks),
+        step=max(r.step for r in ranks),
+        moment=worst.moment,
+        partition_bytes=worst.partition_bytes,
+    )
 
 
 def estimate(
@@ -331,7 +406,10 @@ def estimate(
     buffers = buffer_bytes(
         strategy, inputs.model, inputs.world_size, inputs.precision, settings, states.grads
     )
-    step = step_bytes(strategy, optimizer, inputs.model.num_params, inputs.world_size)
+    laid_out = gradient_layout(inputs, strategy, settings)
+    step = step_bytes(
+        strategy, optimizer, inputs.model.num_params, inputs.world_size, laid_out is not None
+    )
     # Offload builds the fp32 gradient partition in host memory, beside the
     # optimizer state it feeds (DeepSpeed's estimator counts it there too).
     offloaded = strategy == "zero2_offload"
@@ -340,7 +418,11 @@ def estimate(
         strategy=strategy,
         applicable=True,
         params=states.params,
-        grads=states.grads,
+        grads=states.grads if laid_out is None else laid_out.bytes,
+        grads_backward=None if laid_out is None else laid_out.backward,
+        grads_step=None if laid_out is None else laid_out.step,
+        grads_paper=states.grads,
+        grads_where="" if laid_out is None else f"rank {laid_out.rank}, {laid_out.moment}",
         optimizer=states.optimizer,
         master=states.master,
         activations=sum(activation_parts.values()),
@@ -567,8 +649,8 @@ def format_table(plan: Plan) -> str:
     )
     lines = ["dpkit plan", *("  " + line for line in _describe_inputs(inputs)), "", header]
     total_rule = (
-        "total = params + grads + optim + master + buffers + reserve + the larger of activ "
-        "(freed by the end of backward) and step (optimizer-step temporaries)"
+        "total = params + optim + master + buffers + reserve + the larger of backward's "
+        "(grads then + activ) and the step's (grads then + step temporaries)"
     )
     for row in plan.rows:
         label = STRATEGY_LABELS[row.strategy]
@@ -598,8 +680,14 @@ def format_table(plan: Plan) -> str:
         if settings["gradient_as_bucket_view"]
         else "DDP's buckets copy every gradient"
     )
+    laid_out = [r for r in plan.rows if r.applicable and r.grads_where]
     lines += [
         total_rule,
+        *(
+            f"{STRATEGY_LABELS[r.strategy]} grads: DeepSpeed's layout, worst {r.grads_where}: "
+            f"{_gib(r.grads)} (the ZeRO paper's figure: {_gib(r.grads_paper)}; dpkit.zero_layout)"
+            for r in laid_out
+        ),
         "",
         f"recommended: {STRATEGY_LABELS[plan.recommended]} at micro-batch {inputs.micro_batch} "
         f"({_gib(chosen.total)} per GPU){largest_text}",
@@ -626,6 +714,11 @@ def _row_dict(row: StrategyEstimate, plan: Plan) -> dict[str, Any]:
         "bytes_per_gpu": {
             "params": round(row.params),
             "grads": round(row.grads),
+            "grads_backward": round(
+                row.grads if row.grads_backward is None else row.grads_backward
+            ),
+            "grads_step": round(row.grads if row.grads_step is None else row.grads_step),
+            "grads_paper": round(row.grads_paper),
             "optimizer": round(row.optimizer),
             "master": round(row.master),
             "activations": round(row.activations),
@@ -634,6 +727,7 @@ def _row_dict(row: StrategyEstimate, plan: Plan) -> dict[str, Any]:
             "reserve": round(row.reserve),
             "total": round(row.total),
         },
+        "grads_where": row.grads_where or None,
         "buffer_parts": {k: round(v) for k, v in row.buffer_parts.items()},
         "step_parts": {k: round(v) for k, v in row.step_parts.items()},
         "activation_parts": {k: round(v) for k, v in row.activation_parts.items()},
@@ -768,6 +862,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of each GPU kept free for what the estimate misses; default: 0.1 (10%%)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+    parser.add_argument(
+        "--against",
+        metavar="RUN_DIR",
+        help="check the plan against a finished recipes/finetune.py run: its model, strategy, "
+        "world size and settings, predicted vs measured model states per category",
+    )
 
 
 def _choice(value: str, flag: str, choices: tuple[str, ...]) -> str:
@@ -820,6 +920,17 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
 
 def main(args: argparse.Namespace) -> int:
     """Run ``dpkit plan``; bad input raises UsageError (exit code 2 from the CLI)."""
+    if args.against is not None:
+        from dpkit import plan_check
+
+        if args.model is not None or args.params is not None:
+            raise UsageError(
+                f"--against={args.against!r}: the run says which model; drop --model/--params"
+            )
+        check = plan_check.check_run(args.against)
+        text = json.dumps(plan_check.check_dict(check), indent=2)
+        print(text if args.json else plan_check.format_check(check))
+        return 0
     plan = make_plan(inputs_from_args(args))
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_table(plan))
     return 0

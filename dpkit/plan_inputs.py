@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.errors import UsageError
+from dpkit.models import adamw_param_groups, max_positions
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 
@@ -143,6 +144,9 @@ class ModelSpec:
     """Parameters in tensors under ZeRO-3's persistence threshold, which every rank keeps whole."""
     gated_mlp: bool = False
     """Whether the MLP is gated (SwiGLU: gate and up projections), for the formula."""
+    param_groups: tuple[tuple[int, ...], ...] = ()
+    """Elements of each parameter, per optimizer group of the recipes, in order: the
+    layout DeepSpeed partitions (:mod:`dpkit.zero_layout`). Empty for a bare count."""
 
     @property
     def has_shapes(self) -> bool:
@@ -162,8 +166,7 @@ class ModelSpec:
 
     @property
     def max_positions(self) -> int | None:
-        value = self.shape("max_position_embeddings", "n_positions", "max_seq_len")
-        return value if isinstance(value, int) and value > 0 else None
+        return max_positions(self.config) if self.config is not None else None
 
 
 def _load_config(name: str) -> tuple[Any, str]:
@@ -210,17 +213,26 @@ def _quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
 
 
-def build_meta_model(config: Any, attn_implementation: str | None = None) -> Any:
-    """The model for ``config`` on the meta device: shapes and code, no memory, no weights."""
+def build_meta_model(
+    config: Any, attn_implementation: str | None = None, task: str = "causal_lm"
+) -> Any:
+    """The model for ``config`` on the meta device: shapes and code, no memory, no weights.
+
+    ``task`` picks the head: ``causal_lm`` (the bare model where the config has no
+    causal-LM class) or ``sequence_classification`` (``recipes/finetune.py``'s model).
+    """
     from accelerate import init_empty_weights
-    from transformers import AutoModel, AutoModelForCausalLM
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
     with _quiet_transformers(), init_empty_weights():
-        try:
-            model = AutoModelForCausalLM.from_config(config, **kwargs)
-        except ValueError:  # not a causal LM (an encoder, say): the bare model
-            model = AutoModel.from_config(config, **kwargs)
+        if task == "sequence_classification":
+            model = AutoModelForSequenceClassification.from_config(config, **kwargs)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+            except ValueError:  # not a causal LM (an encoder, say): the bare model
+                model = AutoModel.from_config(config, **kwargs)
     # init_empty_weights re-registers every parameter on the meta device, which
     # leaves transformers 5's tied weights untied (GPT-2 would count 163M, not
     # 124M); tying again restores what a real load does (and honours
@@ -229,11 +241,12 @@ def build_meta_model(config: Any, attn_implementation: str | None = None) -> Any
     return model
 
 
-def load_model(name: str) -> ModelSpec:
-    """Resolve ``--model`` and count its parameters on the meta device."""
+def load_model(name: str, task: str = "causal_lm") -> ModelSpec:
+    """Resolve ``--model`` and count its parameters on the meta device (``task``: see
+    :func:`build_meta_model`)."""
     config, source = _load_config(name)
     try:
-        model = build_meta_model(config)
+        model = build_meta_model(config, task=task)
     except Exception as err:  # any model class may refuse a config; say which and why
         raise UsageError(
             f"--model={name!r}: cannot build it from its config ({_first_line(err)})"
@@ -254,4 +267,7 @@ def load_model(name: str) -> ModelSpec:
         largest_layer_params=largest,
         small_tensor_params=sum(p.numel() for p in params if p.numel() < threshold),
         gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
+        param_groups=tuple(
+            tuple(p.numel() for p in group["params"]) for group in adamw_param_groups(model, 0.0)
+        ),
     )

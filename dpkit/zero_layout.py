@@ -18,7 +18,8 @@ the sizes and order of the parameters, not only on their total:
    gradients it copies, and those of the groups not stepped yet, are still held.
 
 ZeRO-1 keeps every full gradient until backward ends (``reduce_gradients``), then
-the same step as ZeRO-2. :func:`gradient_high_water` returns, per rank, the largest
+reduces them in order (with ``contiguous_gradients``, into the same pre-sized partition
+buffer), then steps as ZeRO-2 does. :func:`gradient_high_water` returns, per rank, the largest
 of these moments: the figure the memory report measures as ``grads``
 (``dpkit.memory_probes`` probes the same points), and the one ``dpkit plan`` predicts.
 """
@@ -69,13 +70,21 @@ def partition_group(numels: Sequence[int], world_size: int, rank: int) -> GroupP
 
 @dataclass(frozen=True)
 class GradientHighWater:
-    """One rank's largest gradient holding, in bytes, and the moment it happens."""
+    """One rank's gradient bytes at the moments DeepSpeed holds the most."""
 
     rank: int
-    bytes: float
+    backward: float
+    """Largest holding during backward (activations are still alive then)."""
+    step: float
+    """Largest holding during the optimizer step (activations are freed)."""
     moment: str
+    """Where the larger of the two happens."""
     partition_bytes: float
     """The paper's share: this rank's partitions in the module dtype."""
+
+    @property
+    def bytes(self) -> float:
+        return max(self.backward, self.step)
 
 
 def gradient_high_water(
@@ -107,9 +116,17 @@ def gradient_high_water(
     for rank in range(world_size):
         parts = [partition_group(g, world_size, rank) for g in groups]
         whole = [p.whole_numel for p in parts]
-        moments: dict[str, float] = {}
+        backward: dict[str, float] = {}
+        step: dict[str, float] = {}
         if stage == 1:
-            moments["end of backward (every full gradient)"] = module_bytes * total
+            backward["end of backward (every full gradient)"] = module_bytes * total
+            if contiguous_gradients:
+                # The partition buffer is allocated at the first reduction, while the
+                # gradients not reduced yet are still whole: an upper bound (dpkit turns
+                # contiguous_gradients off where a large parameter makes it costly).
+                backward["reduction (partition buffer + gradients not reduced yet)"] = (
+                    module_bytes * (sum(whole) + total)
+                )
         else:
             held = sum(whole)
             if largest > reduce_bucket_size:
@@ -119,7 +136,7 @@ def gradient_high_water(
                 )
                 if contiguous_gradients or not in_partition:
                     held += largest
-            moments["backward (partition + a parameter larger than the bucket)"] = (
+            backward["backward (partition + a parameter larger than the bucket)"] = (
                 module_bytes * held
             )
         for i, part in enumerate(parts):
@@ -128,10 +145,13 @@ def gradient_high_water(
             flat = module_bytes * part.partition_numel if copies else 0.0
             # The fp32 cast is a second copy unless the gradients already are fp32.
             fp32 = 4.0 * part.partition_numel if module_bytes != 4 else 0.0
-            moments[f"step, group {i} (flat copy of the partition)"] = still_held + flat + fp32
+            step[f"step, group {i} (flat copy of the partition)"] = still_held + flat + fp32
+        moments = {**backward, **step}
         moment = max(moments, key=moments.__getitem__)
         partition = module_bytes * sum(p.partition_numel for p in parts)
-        rows.append(GradientHighWater(rank, moments[moment], moment, partition))
+        rows.append(
+            GradientHighWater(rank, max(backward.values()), max(step.values()), moment, partition)
+        )
     return rows
 
 

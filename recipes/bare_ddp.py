@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from dpkit import lm_data
+from dpkit.models import adamw_param_groups
 
 
 def main() -> None:
@@ -44,7 +45,7 @@ def main() -> None:
         model, device_ids=[local_rank] if device.type == "cuda" else None
     )
     optimizer = torch.optim.AdamW(
-        lm_data.adamw_param_groups(model, workload.weight_decay), lr=workload.learning_rate
+        adamw_param_groups(model, workload.weight_decay), lr=workload.learning_rate
     )
 
     tokens_per_rank = workload.micro_batch_size * workload.seq_len

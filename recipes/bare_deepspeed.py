@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dpkit import lm_data
+from dpkit.models import adamw_param_groups
 from dpkit.run_output import RunOutput
 from dpkit.strategy import skip_deepspeed_cpu_shm_op
 
@@ -50,7 +51,7 @@ def main() -> None:
     lm_data.check_enough_blocks(dataset, workload, world_size)
     model = lm_data.build_model(config, workload.seed)
     optimizer = torch.optim.AdamW(
-        lm_data.adamw_param_groups(model, workload.weight_decay), lr=workload.learning_rate
+        adamw_param_groups(model, workload.weight_decay), lr=workload.learning_rate
     )
     ds_config = {
         "train_micro_batch_size_per_gpu": workload.micro_batch_size,

@@ -32,7 +32,12 @@ from dpkit import checkpoint, guards, memory
 from dpkit.config import config_dict, parse_finetune_args
 from dpkit.data import check_classification_data, load_data_splits
 from dpkit.errors import EXIT_USAGE, UsageError
-from dpkit.models import count_parameters, load_model_config, max_positions
+from dpkit.models import (
+    adamw_param_groups,
+    count_parameters,
+    load_model_config,
+    max_positions,
+)
 from dpkit.run_output import RunOutput
 from dpkit.strategy import (
     build_accelerator,
@@ -227,13 +232,8 @@ def main() -> None:
         run.write_json("ds_config.json", strategy.ds_config)
 
     # Optimizer and schedule: no decay on biases and LayerNorm weights.
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
     optimizer = strategy.make_optimizer(
-        [
-            {"params": decay, "weight_decay": train_cfg.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ],
+        adamw_param_groups(model, train_cfg.weight_decay),
         lr=learning_rate,
         weight_decay=train_cfg.weight_decay,
     )

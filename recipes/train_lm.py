@@ -35,7 +35,7 @@ from tqdm.auto import tqdm
 from dpkit import lm_data, memory
 from dpkit.config import StrategyConfig, config_dict
 from dpkit.errors import EXIT_USAGE, UsageError
-from dpkit.models import count_parameters
+from dpkit.models import adamw_param_groups, count_parameters
 from dpkit.run_output import RunOutput
 from dpkit.strategy import build_accelerator, resolve_precision, resolve_strategy
 from dpkit.throughput import Throughput
@@ -158,7 +158,7 @@ def main() -> None:
     if strategy.ds_config is not None:
         run.write_json("ds_config.json", strategy.ds_config)
     optimizer = strategy.make_optimizer(
-        lm_data.adamw_param_groups(model, workload.weight_decay),
+        adamw_param_groups(model, workload.weight_decay),
         lr=workload.learning_rate,
         weight_decay=workload.weight_decay,
     )

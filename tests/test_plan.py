@@ -448,6 +448,9 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
         (["--model", "gpt2", "--micro-batch", "4096", "--gpu-memory", "24GB"], "--micro-batch", "4096"),
         (["--model", "gpt2", "--seq-len", "2048"], "--seq-len", "2048"),
         ([], "--model", "None"),
+        (["--against", "runs/no-such-run"], "--against", "runs/no-such-run"),
+        (["--against", "ds_configs"], "--against", "no memory_report.json"),
+        (["--against", "ds_configs", "--model", "gpt2"], "--against", "drop --model"),
     ],
 )  # fmt: skip
 def test_bad_input_is_one_line_and_exit_code_2(args, field, value):

@@ -1,0 +1,158 @@
+"""``dpkit plan --against RUN_DIR``: the plan of a finished run beside what the run measured.
+
+The run's own folder says what to plan for: ``run_config.json`` (model, micro-batch,
+sequence length, which recipe) and ``memory_report.json`` (strategy, world size,
+precision, optimizer, the DeepSpeed settings in effect, and every rank's measured
+bytes). The plan is made with those settings, so a disagreement is the model's, not
+the inputs'. Per model-state category the plan's per-GPU figure (the worst rank) is
+set against the largest measured rank, with the error in percent; for ZeRO the
+paper's gradient figure is shown too, since that is what DeepSpeed's layout departs
+from (:mod:`dpkit.zero_layout`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from dpkit.errors import UsageError
+from dpkit.plan import PlanInputs, StrategyEstimate, buffer_settings, estimate
+from dpkit.plan_inputs import load_model
+
+CATEGORIES = ("params", "grads", "optimizer", "master")
+MIB = 2**20
+# memory_report.json's precision names -> dpkit plan's.
+PRECISION = {"fp32": "fp32", "no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """The plan of one run and the run's measurement, per category (bytes per GPU)."""
+
+    run_dir: Path
+    model: str
+    strategy: str
+    world_size: int
+    precision: str
+    predicted: dict[str, float]
+    """Per category and ``total``: the plan's figure (its worst rank)."""
+    measured: dict[str, float]
+    """Per category and ``total``: the largest over the run's ranks."""
+    grads_paper: float
+    """The ZeRO paper's gradient figure, for comparison."""
+    grads_where: str
+    """The rank and moment the plan's gradient figure comes from."""
+
+    @property
+    def error_pct(self) -> dict[str, float | None]:
+        """(predicted - measured) / measured, in percent; None where nothing was measured."""
+        return {
+            key: None if not measured else 100.0 * (self.predicted[key] - measured) / measured
+            for key, measured in self.measured.items()
+        }
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise UsageError(f"--against={str(path.parent)!r}: no {path.name} ({what})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(
+            f"--against: {path} is not valid JSON ({err.msg}, line {err.lineno})"
+        ) from None
+
+
+def _run_settings(report: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The plan's buffer settings, with the DeepSpeed values the run really used."""
+    settings = dict(defaults)
+    for key, value in report.get("settings", {}).items():
+        if key.startswith("zero."):
+            settings[key.removeprefix("zero.")] = value
+    return settings
+
+
+def check_run(run_dir: str | Path) -> PlanCheck:
+    """Plan for the run in ``run_dir`` with its own inputs and compare with its report."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"--against={str(run_dir)!r}: no such run folder")
+    report = _read_json(run_dir / "memory_report.json", "written at the end of every run")
+    config = _read_json(run_dir / "run_config.json", "written at the start of every run")
+    model_cfg, train_cfg = config.get("ModelConfig", {}), config.get("TrainConfig", {})
+    if "model" not in model_cfg or "micro_batch_size" not in train_cfg:
+        raise UsageError(
+            f"--against={str(run_dir)!r}: not a recipes/finetune.py run (its run_config.json "
+            "has no ModelConfig.model / TrainConfig.micro_batch_size)"
+        )
+    spec = load_model(model_cfg["model"], task="sequence_classification")
+    precision = PRECISION.get(report["precision"])
+    if precision is None:
+        raise UsageError(f"--against: unknown precision {report['precision']!r} in the report")
+    world_size = int(report["world_size"])
+    inputs = PlanInputs(
+        model=spec,
+        gpus_per_node=world_size,
+        precision=precision,
+        optimizer=report.get("optimizer", "adamw"),
+        micro_batch=int(train_cfg["micro_batch_size"]),
+        seq_len=int(model_cfg.get("max_seq_length", 128)),
+    )
+    settings = _run_settings(report, buffer_settings(spec, world_size))
+    row: StrategyEstimate = estimate(inputs, report["strategy"], inputs.micro_batch, None, settings)
+    predicted = {c: float(getattr(row, c)) for c in CATEGORIES}
+    predicted["total"] = sum(predicted.values())
+    measured = {c: max(float(r[c]) for r in report["ranks"]) for c in CATEGORIES}
+    measured["total"] = max(float(r["model_state_total"]) for r in report["ranks"])
+    return PlanCheck(
+        run_dir=run_dir,
+        model=model_cfg["model"],
+        strategy=report["strategy"],
+        world_size=world_size,
+        precision=precision,
+        predicted=predicted,
+        measured=measured,
+        grads_paper=row.grads_paper,
+        grads_where=row.grads_where,
+    )
+
+
+def format_check(check: PlanCheck) -> str:
+    lines = [
+        f"dpkit plan --against {check.run_dir}",
+        f"  {check.model}: {check.strategy} on {check.world_size} ranks, {check.precision}; "
+        "model states per GPU (plan: its worst rank; measured: the largest rank)",
+        "",
+        f"{'MiB per GPU':<14}{'predicted':>11}{'measured':>11}{'error':>9}",
+    ]
+    errors = check.error_pct
+    for key in (*CATEGORIES, "total"):
+        error = errors[key]
+        lines.append(
+            f"{key:<14}{check.predicted[key] / MIB:>11.1f}{check.measured[key] / MIB:>11.1f}"
+            + (f"{error:>+8.1f}%" if error is not None else f"{'-':>9}")
+        )
+    if check.grads_where:
+        lines += [
+            "",
+            f"grads: {check.grads_where}; the ZeRO paper's figure would be "
+            f"{check.grads_paper / MIB:.1f} MiB (see dpkit.zero_layout)",
+        ]
+    return "\n".join(lines)
+
+
+def check_dict(check: PlanCheck) -> dict[str, Any]:
+    return {
+        "run_dir": str(check.run_dir),
+        "model": check.model,
+        "strategy": check.strategy,
+        "world_size": check.world_size,
+        "precision": check.precision,
+        "predicted_bytes": {k: round(v) for k, v in check.predicted.items()},
+        "measured_bytes": {k: round(v) for k, v in check.measured.items()},
+        "error_pct": check.error_pct,
+        "grads_paper_bytes": round(check.grads_paper),
+        "grads_where": check.grads_where,
+    }

@@ -1,0 +1,125 @@
+"""DeepSpeed's ZeRO-1/2 gradient layout (dpkit.zero_layout), on layouts worked by hand.
+
+The real-run check (plan against measurement, every category) is in
+tests/test_memory_multiprocess.py; these pin the arithmetic it rests on.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from dpkit.zero_layout import gradient_high_water, partition_group
+
+MIB = 2**20
+
+
+def test_partitions_are_equal_cuts_of_the_padded_group():
+    # 20 elements, N=2: alignment 4, partitions [0, 10) and [10, 20).
+    first, second = (partition_group([10, 6, 4], 2, r) for r in (0, 1))
+    assert (first.partition_numel, first.whole_numel, first.tensors_in_partition) == (10, 10, 1)
+    assert (second.partition_numel, second.whole_numel, second.tensors_in_partition) == (10, 10, 2)
+    # 21 elements pad to 24 (a multiple of 2N = 4): partitions of 12.
+    assert partition_group([21], 2, 0).partition_numel == 12
+
+
+def test_a_parameter_straddling_a_boundary_is_held_whole_by_both_ranks():
+    # [12, 8], N=2: the first parameter covers [0, 12) and crosses the cut at 10.
+    first, second = (partition_group([12, 8], 2, r) for r in (0, 1))
+    assert first.whole_numel == 12
+    assert second.whole_numel == 12 + 8  # its 2 elements past the cut bring all 12
+
+
+def test_zero2_high_water_is_the_step_flat_copy_beside_the_whole_gradients():
+    # fp32, N=2, one group [12, 8]; the bucket (100) is larger than any parameter.
+    ranks = gradient_high_water(
+        [[12, 8]],
+        stage=2,
+        world_size=2,
+        module_bytes=4,
+        reduce_bucket_size=100,
+        contiguous_gradients=True,
+    )
+    # Rank 0: whole 12, partition inside one parameter: the flat copy is a view.
+    assert (ranks[0].backward, ranks[0].step) == (4 * 12, 4 * 12)
+    # Rank 1 (last, padded flatten: always a copy): whole 20 + a flat copy of 10.
+    assert (ranks[1].backward, ranks[1].step) == (4 * 20, 4 * (20 + 10))
+    assert ranks[1].bytes == 4 * 30 and ranks[1].moment.startswith("step, group 0")
+    assert [r.partition_bytes for r in ranks] == [40, 40]
+
+
+def test_a_parameter_larger_than_the_bucket_adds_its_full_gradient_in_backward():
+    common = dict(stage=2, world_size=2, module_bytes=4, reduce_bucket_size=13)
+    # [12, 4, 16], partitions of 16: the 16-element parameter is rank 1's alone.
+    off = gradient_high_water([[12, 4, 16]], contiguous_gradients=False, **common)
+    on = gradient_high_water([[12, 4, 16]], contiguous_gradients=True, **common)
+    # Rank 0 does not own it but holds its unreduced gradient while it is reduced.
+    assert off[0].backward == 4 * (16 + 16)
+    # Rank 1 owns it: without contiguous buffers it is not held twice...
+    assert off[1].backward == 4 * 16
+    # ...with them, its pre-sized slot and its own gradient coexist.
+    assert on[1].backward == 4 * (16 + 16)
+
+
+def test_mixed_precision_adds_the_fp32_cast_of_the_flat_copy():
+    ranks = gradient_high_water(
+        [[12, 8]],
+        stage=2,
+        world_size=2,
+        module_bytes=2,
+        reduce_bucket_size=100,
+        contiguous_gradients=True,
+    )
+    # Rank 1: 16-bit whole gradients (20) + 16-bit flat copy (10) + its fp32 cast (10).
+    assert ranks[1].step == 2 * 20 + 2 * 10 + 4 * 10
+
+
+def test_zero1_holds_every_full_gradient_until_backward_ends():
+    ranks = gradient_high_water(
+        [[12, 8], [2]],
+        stage=1,
+        world_size=2,
+        module_bytes=4,
+        reduce_bucket_size=100,
+        contiguous_gradients=False,
+    )
+    assert all(r.backward == 4 * 22 for r in ranks)
+    # After the reduction each rank keeps only what touches its partitions. Group 1
+    # pads [2] to 4: rank 0 owns the parameter, rank 1 only padding.
+    # Rank 0 at group 0's step: 12 (its partition is inside it: a view) + group 1's 2.
+    assert ranks[0].step == 4 * (12 + 2)
+    # Rank 1: whole 20 of group 0 and the flat copy of its 10.
+    assert ranks[1].step == 4 * (20 + 10)
+
+
+@pytest.mark.parametrize("stage", [3, 0])
+def test_only_stages_1_and_2_are_laid_out(stage):
+    with pytest.raises(ValueError, match="stage must be 1 or 2"):
+        gradient_high_water(
+            [[4]],
+            stage=stage,
+            world_size=2,
+            module_bytes=4,
+            reduce_bucket_size=8,
+            contiguous_gradients=True,
+        )
+
+
+def test_gpt2_on_8_gpus_holds_several_times_the_papers_gradient_share():
+    """GPT-2's tied word embedding is 31% of the model: 2.5 partitions at N=8."""
+    from dpkit.plan_inputs import load_model
+
+    spec = load_model("gpt2")
+    ranks = gradient_high_water(
+        spec.param_groups,
+        stage=2,
+        world_size=8,
+        module_bytes=2,
+        reduce_bucket_size=768 * 768,
+        contiguous_gradients=False,
+    )
+    paper = 2 * spec.num_params / 8
+    worst = max(r.bytes for r in ranks)
+    assert worst > 5 * paper
+    # Ranks 0 and 1 lie inside the embedding: each holds it whole.
+    wte = 50257 * 768
+    assert all(2 * wte <= r.backward for r in ranks[:2])
