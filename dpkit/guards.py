@@ -13,9 +13,14 @@ collective per step.
 
 from __future__ import annotations
 
+import gc
+import logging
 import math
+import os
 import signal
+import sys
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 
@@ -102,3 +107,22 @@ def collective_failure(err: BaseException) -> str | None:
     if "connection closed by peer" in text or "connection reset" in text or "broken pipe" in text:
         return "lost the connection to another rank: it died (see the launcher's report above)"
     return None
+
+
+def exit_after_success() -> NoReturn:
+    """End a finished rank without running the interpreter's teardown.
+
+    Call after the recipe's last collective, with the process group destroyed
+    (``accelerator.end_training()``) and every file written. Objects that hold the
+    gloo process group (DDP's reducer and its pending work, DeepSpeed's engine) sit
+    in reference cycles; freed during interpreter finalization, they abort the
+    process ("terminate called without an active exception", SIGABRT: seen in about
+    1 of 100 finished CPU launches under torch 2.13, which turns a finished run into
+    a failed job). So: free them now, while the interpreter is whole, flush what is
+    buffered, and leave with exit code 0 before finalization runs.
+    """
+    gc.collect()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from dpkit import lm_data
+from dpkit import guards, lm_data
 from dpkit.models import adamw_param_groups
 
 
@@ -82,3 +82,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    guards.exit_after_success()

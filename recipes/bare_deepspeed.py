@@ -20,7 +20,7 @@ import deepspeed
 import torch
 import torch.distributed as dist
 
-from dpkit import lm_data
+from dpkit import guards, lm_data
 from dpkit.models import adamw_param_groups
 from dpkit.run_output import RunOutput
 from dpkit.strategy import skip_deepspeed_cpu_shm_op
@@ -100,3 +100,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    guards.exit_after_success()

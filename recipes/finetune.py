@@ -496,3 +496,4 @@ if __name__ == "__main__":
     # Tokenizer worker threads inside each of N processes oversubscribe the CPU.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     run_guarded()
+    guards.exit_after_success()

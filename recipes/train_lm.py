@@ -32,7 +32,7 @@ import torch
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
-from dpkit import lm_data, memory
+from dpkit import guards, lm_data, memory
 from dpkit.config import StrategyConfig, config_dict
 from dpkit.errors import EXIT_USAGE, UsageError
 from dpkit.models import adamw_param_groups, count_parameters
@@ -258,3 +258,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    guards.exit_after_success()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 SHM = Path("/dev/shm")
-# A recipe run writes up to ~0.6 GB (fp32 model 91 MB, a checkpoint 270 MB); the heaviest
+# A recipe run writes up to ~0.6 GB (fp32 model 91 MB, a checkpoint 273 MB); the heaviest
 # module holds about 3 GB at once. Below this the session would fail half-way, in runs
 # that die on ENOSPC with errors about everything but the disk.
 MIN_FREE_DISK_GIB = 6
