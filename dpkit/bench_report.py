@@ -23,6 +23,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from dpkit import plan_check
 from dpkit.analytic import model_state_bytes
 from dpkit.run_output import read_jsonl
 
@@ -35,6 +36,10 @@ LOSS_RTOL = 2e-3
 # ZeRO strategy keeps at least 90% of DDP's throughput.
 TARGET_DPKIT_OVER_BARE = 1.03
 TARGET_THROUGHPUT_VS_DDP = 0.9
+# The planning issue's bound on dpkit plan's model-state total against the measurement.
+TARGET_PLAN_ERROR_PCT = 10.0
+# dpkit.memory_walk's name suffix for the rank's own gradient partition.
+SHARE = "(partition share)"
 LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
 # Each dpkit strategy's bare twin (the run its step time is divided by).
 BARE_OF = {"ddp": "bare_ddp", "zero1": "bare_zero1", "zero2": "bare_zero2"}
@@ -155,6 +160,7 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         entry["peak_bytes"] = None if headline is None else peak.get(headline)
         entry["peak_kind"] = headline
         entry["buffer_holders"] = row.get("buffers", {})
+        entry["grads_partition"] = _partition_share(row)
         ranks.append(entry)
     worst = max(ranks, key=lambda r: r["total"])
     peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
@@ -172,6 +178,16 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         "residuals": report.get("residuals", []),
         "notes": report.get("notes", []),
     }
+
+
+def _partition_share(row: dict[str, Any]) -> float | None:
+    """The rank's own ZeRO gradient partition (what stage 2 shards), at the probe point
+    where it is held; None for DDP. dpkit.memory_walk names it "... (partition share)"."""
+    shares = [
+        sum(b for name, b in phase["holders"].get("grads", {}).items() if name.endswith(SHARE))
+        for phase in row.get("phases", {}).values()
+    ]
+    return max(shares) if shares and max(shares) > 0 else None
 
 
 def max_relative_deviation(losses: list[float], reference: list[float]) -> float:
@@ -215,6 +231,8 @@ def build_results(
             run["memory"] = summarize_memory(
                 json.loads((phase.run_dir / "memory_report.json").read_text())
             )
+            # dpkit plan for this very run (its model, settings, world size).
+            run["plan"] = plan_check.check_dict(plan_check.check_run(phase.run_dir))
         if (phase.run_dir / "ds_config.json").exists():
             run["ds_config"] = json.loads((phase.run_dir / "ds_config.json").read_text())
         runs[phase.name] = run
@@ -234,6 +252,11 @@ def build_results(
             "ratio_vs_ddp_predicted": predicted_total / ddp_predicted,
         }
         total = run["memory"]["per_rank"]["total"]
+        plan = run["plan"]
+        row.update(
+            plan_model_states=plan["predicted_bytes"]["total"],
+            plan_error_pct=plan["error_pct"]["total"],
+        )
         if ddp is not None:
             ddp_total = ddp["memory"]["per_rank"]["total"]
             row.update(
@@ -243,6 +266,10 @@ def build_results(
                 / ddp["memory"]["per_rank"]["optimizer"],
                 grads_ratio_vs_ddp=run["memory"]["per_rank"]["grads"]
                 / ddp["memory"]["per_rank"]["grads"],
+                grads_partition_ratio_vs_ddp=_quotient(
+                    max((r["grads_partition"] or 0.0) for r in run["memory"]["ranks"]),
+                    ddp["memory"]["per_rank"]["grads"],
+                ),
                 throughput_vs_ddp=run["tokens_per_s"] / ddp["tokens_per_s"],
                 throughput_vs_ddp_cpu=_quotient(ddp["median_step_cpu_s"], run["median_step_cpu_s"]),
                 loss_max_rel_dev_vs_ddp=max_relative_deviation(run["losses"], ddp["losses"]),
@@ -273,6 +300,7 @@ def build_results(
             "loss_rtol": LOSS_RTOL,
             "dpkit_over_bare_step_time_max": TARGET_DPKIT_OVER_BARE,
             "throughput_vs_ddp_min": TARGET_THROUGHPUT_VS_DDP,
+            "plan_error_pct_max": TARGET_PLAN_ERROR_PCT,
         },
         "strategies": strategies,
         "runs": runs,
@@ -314,9 +342,27 @@ def checks(comparison: dict[str, dict[str, Any]], nproc: int) -> list[dict[str, 
                 value,
                 abs(value * nproc - 1) < 0.01,
             )
+        if name == "zero2" and row.get("grads_partition_ratio_vs_ddp") is not None:
+            value = row["grads_partition_ratio_vs_ddp"]
+            add(
+                f"gradient partition per rank = DDP/{nproc}",
+                name,
+                value,
+                abs(value * nproc - 1) < 0.01,
+            )
         if name == "zero2" and "grads_ratio_vs_ddp" in row:
+            # The high-water also holds whole parameters that touch the partition and the
+            # step's flat copy (dpkit.zero_layout); dpkit plan predicts it (next check).
             value = row["grads_ratio_vs_ddp"]
-            add(f"gradient bytes per rank ~ DDP/{nproc}", name, value, value * nproc < 1.1)
+            add(f"gradient high-water per rank ~ DDP/{nproc}", name, value, value * nproc < 1.1)
+        if "plan_error_pct" in row:
+            value = row["plan_error_pct"]
+            add(
+                f"model states within {TARGET_PLAN_ERROR_PCT:g}% of dpkit plan (error %)",
+                name,
+                value,
+                abs(value) <= TARGET_PLAN_ERROR_PCT,
+            )
         if "dpkit_over_bare_step_time" in row:
             value, cpu = row["dpkit_over_bare_step_time"], row.get("dpkit_over_bare_step_cpu")
             add(
@@ -384,12 +430,14 @@ def format_markdown(results: dict[str, Any]) -> str:
         f"{settings['timed_steps']} timed steps (median).",
         "",
         "Memory per rank in MiB (the rank holding the most), measured by dpkit.memory; "
-        "predicted = ZeRO accounting of the model states (dpkit.analytic).",
+        "paper = the ZeRO paper's accounting of the model states (dpkit.analytic); plan = "
+        "`dpkit plan` for this run, with gradients as DeepSpeed's layout holds them "
+        "(dpkit.zero_layout).",
         "",
-        "| strategy | params | grads | optimizer | master | buffers | total | predicted "
-        f"| peak ({first['memory']['peak_kind']}) | saved vs DDP, measured | saved vs DDP, predicted "
+        "| strategy | params | grads | optimizer | master | buffers | total | paper | plan "
+        f"| peak ({first['memory']['peak_kind']}) | saved vs DDP, measured | saved vs DDP, paper "
         "| tokens/s | vs DDP | dpkit/bare step | loss dev. vs DDP |",
-        "|---|" + "---:|" * 14,
+        "|---|" + "---:|" * 15,
     ]
     for name in results["strategies"]:
         run, row = runs[name], comparison[name]
@@ -399,6 +447,7 @@ def format_markdown(results: dict[str, Any]) -> str:
             LABELS[name],
             *(_mib(per_rank[c]) for c in (*CATEGORIES, "total")),
             _mib(row["predicted_model_states"]),
+            _mib(row["plan_model_states"]),
             _mib(run["memory"]["peak_bytes"]),
             _saved(row.get("saved_vs_ddp_measured"), row.get("ratio_vs_ddp_measured")),
             _saved(row["saved_vs_ddp_predicted"], row["ratio_vs_ddp_predicted"]),
@@ -408,6 +457,19 @@ def format_markdown(results: dict[str, Any]) -> str:
             "-" if dev is None or name == "ddp" else f"{dev:.1e}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    zero2 = runs.get("zero2")
+    if zero2 is not None and "ddp" in runs:
+        share = max((r["grads_partition"] or 0.0) for r in zero2["memory"]["ranks"])
+        plan = zero2["plan"]
+        lines += [
+            "",
+            f"ZeRO-2 gradients: each rank's own partition is {_mib(share)} MiB (DDP/{nproc} = "
+            f"{_mib(runs['ddp']['memory']['per_rank']['grads'] / nproc)}); the high-water is "
+            f"{_mib(zero2['memory']['per_rank']['grads'])} MiB, because DeepSpeed also holds the "
+            "whole gradient of every parameter touching the partition and the step's flat copy "
+            f"of it: dpkit plan predicts {_mib(plan['predicted_bytes']['grads'])} MiB "
+            f"({plan['grads_where']}).",
+        ]
     lines += [
         "",
         "Every run: median step time after the warm-up (wall; and the main process's CPU "

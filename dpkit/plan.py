@@ -865,8 +865,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--against",
         metavar="RUN_DIR",
-        help="check the plan against a finished recipes/finetune.py run: its model, strategy, "
-        "world size and settings, predicted vs measured model states per category",
+        help="check the plan against a finished run (recipes/finetune.py, recipes/train_lm.py, "
+        "dpkit bench): its model, strategy, world size and settings; predicted vs measured "
+        "model states per category",
     )
 
 

@@ -1,6 +1,7 @@
 """``dpkit plan --against RUN_DIR``: the plan of a finished run beside what the run measured.
 
-The run's own folder says what to plan for: ``run_config.json`` (model, micro-batch,
+The run's own folder (``recipes/finetune.py``, ``recipes/train_lm.py``, or a run of
+``dpkit bench``) says what to plan for: ``run_config.json`` (model, micro-batch,
 sequence length, which recipe) and ``memory_report.json`` (strategy, world size,
 precision, optimizer, the DeepSpeed settings in effect, and every rank's measured
 bytes). The plan is made with those settings, so a disagreement is the model's, not
@@ -13,13 +14,13 @@ from (:mod:`dpkit.zero_layout`).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
 from dpkit.errors import UsageError
 from dpkit.plan import PlanInputs, StrategyEstimate, buffer_settings, estimate
-from dpkit.plan_inputs import load_model
+from dpkit.plan_inputs import ModelSpec, load_model, spec_from_config
 
 CATEGORIES = ("params", "grads", "optimizer", "master")
 MIB = 2**20
@@ -74,6 +75,29 @@ def _run_settings(report: dict[str, Any], defaults: dict[str, Any]) -> dict[str,
     return settings
 
 
+def _recipe_model(run_dir: Path, config: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
+    """The model a recipe trained, its micro-batch and sequence length, from its config."""
+    if "ModelConfig" in config and "TrainConfig" in config:  # recipes/finetune.py
+        name = config["ModelConfig"]["model"]
+        spec = load_model(name, task="sequence_classification")
+        micro_batch = int(config["TrainConfig"]["micro_batch_size"])
+        return name, spec, micro_batch, int(config["ModelConfig"].get("max_seq_length", 128))
+    if "LMWorkload" in config:  # recipes/train_lm.py (and dpkit bench)
+        from dpkit import lm_data
+
+        known = {f.name for f in fields(lm_data.LMWorkload)}
+        workload = lm_data.LMWorkload(
+            **{k: v for k, v in config["LMWorkload"].items() if k in known}
+        )
+        name = workload.model_config or f"train_lm --size {workload.size}"
+        spec = spec_from_config(name, "recipe", lm_data.model_config(workload))
+        return name, spec, workload.micro_batch_size, workload.seq_len
+    raise UsageError(
+        f"--against={str(run_dir)!r}: run_config.json is not from recipes/finetune.py or "
+        "recipes/train_lm.py"
+    )
+
+
 def check_run(run_dir: str | Path) -> PlanCheck:
     """Plan for the run in ``run_dir`` with its own inputs and compare with its report."""
     run_dir = Path(run_dir)
@@ -81,13 +105,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         raise UsageError(f"--against={str(run_dir)!r}: no such run folder")
     report = _read_json(run_dir / "memory_report.json", "written at the end of every run")
     config = _read_json(run_dir / "run_config.json", "written at the start of every run")
-    model_cfg, train_cfg = config.get("ModelConfig", {}), config.get("TrainConfig", {})
-    if "model" not in model_cfg or "micro_batch_size" not in train_cfg:
-        raise UsageError(
-            f"--against={str(run_dir)!r}: not a recipes/finetune.py run (its run_config.json "
-            "has no ModelConfig.model / TrainConfig.micro_batch_size)"
-        )
-    spec = load_model(model_cfg["model"], task="sequence_classification")
+    model_name, spec, micro_batch, seq_len = _recipe_model(run_dir, config)
     precision = PRECISION.get(report["precision"])
     if precision is None:
         raise UsageError(f"--against: unknown precision {report['precision']!r} in the report")
@@ -97,8 +115,8 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         gpus_per_node=world_size,
         precision=precision,
         optimizer=report.get("optimizer", "adamw"),
-        micro_batch=int(train_cfg["micro_batch_size"]),
-        seq_len=int(model_cfg.get("max_seq_length", 128)),
+        micro_batch=micro_batch,
+        seq_len=seq_len,
     )
     settings = _run_settings(report, buffer_settings(spec, world_size))
     row: StrategyEstimate = estimate(inputs, report["strategy"], inputs.micro_batch, None, settings)
@@ -108,7 +126,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     measured["total"] = max(float(r["model_state_total"]) for r in report["ranks"])
     return PlanCheck(
         run_dir=run_dir,
-        model=model_cfg["model"],
+        model=model_name,
         strategy=report["strategy"],
         world_size=world_size,
         precision=precision,

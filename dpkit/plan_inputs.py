@@ -133,7 +133,8 @@ class ModelSpec:
     name: str
     """As given: a bundled name, a path, a Hub name, or the ``--params`` text."""
     source: str
-    """``bundled``, ``path``, ``hub`` or ``count`` (a bare ``--params``)."""
+    """``bundled``, ``path``, ``hub``, ``count`` (a bare ``--params``) or ``recipe`` (a
+    config a recipe built, for ``--against``)."""
     num_params: int
     """Distinct parameters, tied weights counted once."""
     config: Any = field(default=None, repr=False, compare=False)
@@ -245,6 +246,11 @@ def load_model(name: str, task: str = "causal_lm") -> ModelSpec:
     """Resolve ``--model`` and count its parameters on the meta device (``task``: see
     :func:`build_meta_model`)."""
     config, source = _load_config(name)
+    return spec_from_config(name, source, config, task)
+
+
+def spec_from_config(name: str, source: str, config: Any, task: str = "causal_lm") -> ModelSpec:
+    """The :class:`ModelSpec` of ``config``, built on the meta device."""
     try:
         model = build_meta_model(config, task=task)
     except Exception as err:  # any model class may refuse a config; say which and why

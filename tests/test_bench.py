@@ -181,6 +181,18 @@ def test_tiny_bench_results_are_consistent(tmp_path):
         # The bare twin trains the same model on the same batches.
         assert row["bare_loss_max_rel_dev"] < bench_report.LOSS_RTOL
 
+    # dpkit plan for each run, gradients laid out as DeepSpeed holds them: close to the bytes.
+    for name, row in comparison.items():
+        plan = runs[name]["plan"]
+        assert plan["strategy"] == name and plan["world_size"] == NPROC
+        assert row["plan_model_states"] == plan["predicted_bytes"]["total"]
+        assert abs(row["plan_error_pct"]) <= bench_report.TARGET_PLAN_ERROR_PCT, plan
+    # ZeRO-2's own gradient partition is DDP's / N on every rank.
+    ddp_grads = runs["ddp"]["memory"]["per_rank"]["grads"]
+    for rank in runs["zero2"]["memory"]["ranks"]:
+        assert rank["grads_partition"] == pytest.approx(ddp_grads / NPROC, rel=0.01)
+    assert "ZeRO-2 gradients: each rank's own partition is" in table
+
     ddp_optimizer = runs["ddp"]["memory"]["per_rank"]["optimizer"]
     for name in ("zero1", "zero2"):
         optimizer = runs[name]["memory"]["per_rank"]["optimizer"]
