@@ -9,7 +9,8 @@ from dpkit.bench_report import BARE_OF, CATEGORIES, LABELS, MIB
 
 
 def write_chart(results: dict[str, Any], path: Path) -> None:
-    """Left: per-rank memory stacked by category, prediction marked. Right: tokens/s."""
+    """Left: per-rank memory stacked by category, the paper's and dpkit plan's predictions
+    marked. Right: tokens/s."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,7 +37,13 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
     for x, value in zip(positions, predicted, strict=True):
         mem_ax.hlines(
             value, x - 0.38, x + 0.38, colors="black", linewidths=2.5, zorder=3,
-            label="predicted model states" if x == 0 else None,
+            label="model states, ZeRO paper" if x == 0 else None,
+        )  # fmt: skip
+    planned = [comparison[n]["plan_model_states"] / MIB for n in names]
+    for x, value in zip(positions, planned, strict=True):
+        mem_ax.hlines(
+            value, x - 0.38, x + 0.38, colors="black", linewidths=1.5, linestyles=":",
+            zorder=3, label="model states, dpkit plan" if x == 0 else None,
         )  # fmt: skip
     if "ddp" in runs:
         mem_ax.axhline(

@@ -32,11 +32,13 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 @pytest.fixture(scope="module")
 def module_tmp(tmp_path_factory, request) -> Iterator[Path]:
     """A folder for the launches a module shares between its tests; removed after the
-    module unless one of its tests failed (then it is kept for inspection)."""
+    module unless one of its tests failed (then it is kept for inspection), or unless
+    ``-o tmp_path_retention_policy=all`` asks to keep everything."""
     failed_before = request.session.testsfailed
     path = tmp_path_factory.mktemp(request.module.__name__.rsplit(".", 1)[-1])
     yield path
-    if request.session.testsfailed == failed_before:
+    keep_all = request.config.getini("tmp_path_retention_policy") == "all"
+    if not keep_all and request.session.testsfailed == failed_before:
         shutil.rmtree(path, ignore_errors=True)
 
 
