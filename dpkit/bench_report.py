@@ -25,6 +25,7 @@ from typing import Any
 
 from dpkit import plan_check
 from dpkit.analytic import model_state_bytes
+from dpkit.memory_report import gradient_partition_bytes
 from dpkit.run_output import read_jsonl
 
 CATEGORIES = ("params", "grads", "optimizer", "master", "buffers")
@@ -38,8 +39,6 @@ TARGET_DPKIT_OVER_BARE = 1.03
 TARGET_THROUGHPUT_VS_DDP = 0.9
 # The planning issue's bound on dpkit plan's model-state total against the measurement.
 TARGET_PLAN_ERROR_PCT = 10.0
-# dpkit.memory_walk's name suffix for the rank's own gradient partition.
-SHARE = "(partition share)"
 LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
 # Each dpkit strategy's bare twin (the run its step time is divided by).
 BARE_OF = {"ddp": "bare_ddp", "zero1": "bare_zero1", "zero2": "bare_zero2"}
@@ -160,7 +159,7 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         entry["peak_bytes"] = None if headline is None else peak.get(headline)
         entry["peak_kind"] = headline
         entry["buffer_holders"] = row.get("buffers", {})
-        entry["grads_partition"] = _partition_share(row)
+        entry["grads_partition"] = gradient_partition_bytes(row)
         ranks.append(entry)
     worst = max(ranks, key=lambda r: r["total"])
     peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
@@ -178,16 +177,6 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         "residuals": report.get("residuals", []),
         "notes": report.get("notes", []),
     }
-
-
-def _partition_share(row: dict[str, Any]) -> float | None:
-    """The rank's own ZeRO gradient partition (what stage 2 shards), at the probe point
-    where it is held; None for DDP. dpkit.memory_walk names it "... (partition share)"."""
-    shares = [
-        sum(b for name, b in phase["holders"].get("grads", {}).items() if name.endswith(SHARE))
-        for phase in row.get("phases", {}).values()
-    ]
-    return max(shares) if shares and max(shares) > 0 else None
 
 
 def max_relative_deviation(losses: list[float], reference: list[float]) -> float:
@@ -333,23 +322,14 @@ def checks(comparison: dict[str, dict[str, Any]], nproc: int) -> list[dict[str, 
             }
         )
 
+    def sharded(what: str, strategy: str, ratio: float) -> None:
+        add(f"{what} per rank = DDP/{nproc}", strategy, ratio, abs(ratio * nproc - 1) < 0.01)
+
     for name, row in comparison.items():
         if name != "ddp" and "optimizer_ratio_vs_ddp" in row:
-            value = row["optimizer_ratio_vs_ddp"]
-            add(
-                f"optimizer bytes per rank = DDP/{nproc}",
-                name,
-                value,
-                abs(value * nproc - 1) < 0.01,
-            )
+            sharded("optimizer bytes", name, row["optimizer_ratio_vs_ddp"])
         if name == "zero2" and row.get("grads_partition_ratio_vs_ddp") is not None:
-            value = row["grads_partition_ratio_vs_ddp"]
-            add(
-                f"gradient partition per rank = DDP/{nproc}",
-                name,
-                value,
-                abs(value * nproc - 1) < 0.01,
-            )
+            sharded("gradient partition", name, row["grads_partition_ratio_vs_ddp"])
         if name == "zero2" and "grads_ratio_vs_ddp" in row:
             # The high-water also holds whole parameters that touch the partition and the
             # step's flat copy (dpkit.zero_layout); dpkit plan predicts it (next check).

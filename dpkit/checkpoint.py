@@ -230,6 +230,18 @@ def full_fp32_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
     }
 
 
+def save_model(accelerator, model, path: str | Path, tokenizer=None) -> None:
+    """The model as a Hugging Face folder in fp32 (ZeRO shards consolidated), written
+    by the main process; a collective (every rank must call it)."""
+    weights = full_fp32_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(
+            path, state_dict=weights, safe_serialization=True
+        )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+
 def _relink_zero_moments(zero, torch_opt) -> None:
     """Point every parameter's fragment at its slice of the flat Adam moments.
 
@@ -425,17 +437,13 @@ def save_checkpoint(
         raise RuntimeError(f"step {state.step}: non-finite weights; not saving a checkpoint")
     final = checkpoint_dir(output_dir, state.step)
     tmp = final.with_name(f".tmp-{final.name}")
-    weights = full_fp32_state_dict(accelerator, model)
-    optimizer_state = full_optimizer_state(accelerator, model, optimizer)
-    rng_states = accelerate.utils.gather_object([_rng_state()])
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        accelerator.unwrap_model(model).save_pretrained(
-            tmp, state_dict=weights, safe_serialization=True
-        )
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+    save_model(accelerator, model, tmp, tokenizer)
+    optimizer_state = full_optimizer_state(accelerator, model, optimizer)
+    rng_states = accelerate.utils.gather_object([_rng_state()])
+    if accelerator.is_main_process:
         torch.save(optimizer_state, tmp / "optimizer.pt")
         torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
         torch.save(rng_states, tmp / "rng.pt")

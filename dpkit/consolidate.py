@@ -119,7 +119,6 @@ def consolidate(checkpoint: Path, output_dir: Path, *, model: str | None, tag: s
     state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
     module = _model_for(state_dict, config, model)
     module.load_state_dict(state_dict, strict=False)
-    module = module.float()
     module.save_pretrained(output_dir, safe_serialization=True)
     # A model without a tokenizer gets weights and config only.
     with contextlib.suppress(OSError, ValueError):

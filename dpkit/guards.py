@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NoReturn
 
@@ -92,7 +93,8 @@ class NonFiniteLossError(RuntimeError):
         )
 
 
-# What the run passed as --collective-timeout, for the message when it fires.
+# What the run passed as --collective-timeout (set by strategy.build_accelerator, which
+# applies it), for the message when it fires.
 COLLECTIVE_TIMEOUT_S: float = 600.0
 
 
@@ -109,20 +111,33 @@ def collective_failure(err: BaseException) -> str | None:
     return None
 
 
-def exit_after_success() -> NoReturn:
-    """End a finished rank without running the interpreter's teardown.
+def exit_process(code: int) -> NoReturn:
+    """End a rank with ``code`` without running the interpreter's teardown.
 
-    Call after the recipe's last collective, with the process group destroyed
-    (``accelerator.end_training()``) and every file written. Objects that hold the
-    gloo process group (DDP's reducer and its pending work, DeepSpeed's engine) sit
-    in reference cycles; freed during interpreter finalization, they abort the
-    process ("terminate called without an active exception", SIGABRT: seen in about
-    1 of 100 finished CPU launches under torch 2.13, which turns a finished run into
-    a failed job). So: free them now, while the interpreter is whole, flush what is
-    buffered, and leave with exit code 0 before finalization runs.
+    Call once the rank is done: after its last collective and every file written.
+    Objects that hold the gloo process group (DDP's reducer and its pending work,
+    DeepSpeed's engine) sit in reference cycles; freed during interpreter
+    finalization, they abort the process ("terminate called without an active
+    exception", SIGABRT: seen in about 1 of 100 finished CPU launches under torch
+    2.13, which turns a finished run into a failed job). Teardown also makes ranks
+    that stop together (a NaN, a signal) exit at different moments, and the launcher
+    kills the slower ones with SIGTERM as soon as one has exited. So: free those
+    objects now, while the interpreter is whole, flush what is buffered, and leave.
     """
     gc.collect()
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
+
+
+def run_and_exit(main: Callable[[], None]) -> NoReturn:
+    """A recipe's entry point: ``main()``, then :func:`exit_process` with 0, or with the
+    code of the ``SystemExit`` it raised (a stop, a non-finite loss, bad input)."""
+    try:
+        main()
+    except SystemExit as exiting:
+        if not isinstance(exiting.code, int):
+            raise
+        exit_process(exiting.code)
+    exit_process(0)

@@ -24,6 +24,8 @@ from dpkit.analytic import (
 MODEL_STATES = ("params", "grads", "optimizer", "master")
 MIB = 1024.0**2
 SCHEMA_VERSION = 1
+# The suffix dpkit.memory_walk gives a ZeRO rank's own gradient partition among the holders.
+PARTITION_SHARE = "(partition share)"
 # Buffers below this share of the predicted model states (DDP's 8 KiB of module
 # buffers) are in the rows and the JSON but not called out as a residual.
 BUFFER_NOTE_PCT = 0.1
@@ -314,3 +316,17 @@ def _line(label: str, cells: Any, tail: str = "") -> str:
     """One table line: an 18-wide label, 13-wide right-aligned cells, then free text."""
     text = f"{label:<18}" + "".join(f"{cell:>13}" for cell in cells)
     return f"{text}  {tail}" if tail else text
+
+
+def gradient_partition_bytes(row: dict[str, Any]) -> float | None:
+    """A rank's own ZeRO gradient partition (what stage 2 shards), at the probe point where
+    it is held, from a report row; None where no partition was seen (DDP)."""
+    shares = [
+        sum(
+            b
+            for name, b in phase["holders"].get("grads", {}).items()
+            if name.endswith(PARTITION_SHARE)
+        )
+        for phase in row.get("phases", {}).values()
+    ]
+    return max(shares) if shares and max(shares) > 0 else None

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from dpkit.memory_report import PARTITION_SHARE
+
 MODEL_STATES = ("params", "grads", "optimizer", "master")
 CATEGORIES = (*MODEL_STATES, "buffers")
 
@@ -268,7 +270,7 @@ def _claim_partition_grads(
     cut = [extras[id(p)] for p in params if id(p) in extras]
     outside = min(held, float(element_size * sum(e for _, e in cut)))
     grads = ledger.holders["grads"]
-    share = f"{label} (partition share)"
+    share = f"{label} {PARTITION_SHARE}"
     grads[share] = grads.get(share, 0.0) + held - outside
     if outside:
         name = f"{label} (whole gradients of boundary-straddling params: {', '.join(n for n, _ in cut)})"

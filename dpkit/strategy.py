@@ -556,6 +556,7 @@ def build_accelerator(
         InitProcessGroupKwargs,
     )
 
+    from dpkit import guards
     from dpkit.memory_settings import ddp_kwargs
 
     on_cuda = _cuda_available()
@@ -567,6 +568,8 @@ def build_accelerator(
         handlers.append(
             InitProcessGroupKwargs(backend=backend, timeout=timedelta(seconds=collective_timeout_s))
         )
+        # The one-line message for a collective that timed out names this value.
+        guards.COLLECTIVE_TIMEOUT_S = collective_timeout_s
     ds_config = None
     plugin = None
     if choice.uses_deepspeed:

@@ -41,12 +41,19 @@ class GroupPartition:
 
     partition_numel: int
     """Elements of each rank's partition (the padded group divided by N)."""
-    whole_numel: int
-    """Elements of the parameters touching this rank's partition, counted whole."""
-    tensors_in_partition: int
-    """How many parameters touch the partition (1: the flat copy is a view)."""
+    touching: tuple[int, ...]
+    """Elements of each parameter touching this rank's partition, whole."""
     last_rank: bool
     """The last rank flattens with padding: always a copy."""
+
+    @property
+    def whole_numel(self) -> int:
+        return sum(self.touching)
+
+    @property
+    def tensors_in_partition(self) -> int:
+        """How many parameters touch the partition (1: the flat copy is a view)."""
+        return len(self.touching)
 
 
 def partition_group(numels: Sequence[int], world_size: int, rank: int) -> GroupPartition:
@@ -57,15 +64,13 @@ def partition_group(numels: Sequence[int], world_size: int, rank: int) -> GroupP
     padded = int(math.ceil(sum(numels) / alignment)) * alignment
     size = padded // world_size
     start, end = rank * size, (rank + 1) * size
-    whole = count = 0
-    offset = 0
+    touching, offset = [], 0
     for numel in numels:
         # DeepSpeed's test: the parameter starts inside the partition, or straddles its start.
         if start <= offset < end or offset < start < offset + numel:
-            whole += numel
-            count += 1
+            touching.append(numel)
         offset += numel
-    return GroupPartition(size, whole, count, rank == world_size - 1)
+    return GroupPartition(size, tuple(touching), rank == world_size - 1)
 
 
 @dataclass(frozen=True)
@@ -130,10 +135,9 @@ def gradient_high_water(
         else:
             held = sum(whole)
             if largest > reduce_bucket_size:
-                # Whether the largest parameter is already counted in this rank's whole set.
-                in_partition = any(
-                    _touches(g, world_size, rank, largest) for g in groups if largest in g
-                )
+                # Counted already if it touches this rank's partition (then, without
+                # contiguous buffers, it is not held twice).
+                in_partition = any(largest in part.touching for part in parts)
                 if contiguous_gradients or not in_partition:
                     held += largest
             backward["backward (partition + a parameter larger than the bucket)"] = (
@@ -153,16 +157,3 @@ def gradient_high_water(
             GradientHighWater(rank, max(backward.values()), max(step.values()), moment, partition)
         )
     return rows
-
-
-def _touches(numels: Sequence[int], world_size: int, rank: int, target: int) -> bool:
-    """Whether the first parameter of ``target`` elements touches ``rank``'s partition."""
-    alignment = ALIGNMENT_FACTOR * world_size
-    size = int(math.ceil(sum(numels) / alignment)) * alignment // world_size
-    start, end = rank * size, (rank + 1) * size
-    offset = 0
-    for numel in numels:
-        if numel == target:
-            return start <= offset < end or offset < start < offset + numel
-        offset += numel
-    return False

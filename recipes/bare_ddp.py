@@ -81,5 +81,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    guards.exit_after_success()
+    guards.run_and_exit(main)

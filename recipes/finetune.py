@@ -329,7 +329,6 @@ def main() -> None:
     progress.update(step)
     # SIGTERM/SIGINT from here on: finish the step, save, exit (dpkit.guards).
     stop = guards.StopRequest()
-    guards.COLLECTIVE_TIMEOUT_S = strategy_cfg.collective_timeout
     window_loss, started, last_checkpoint = [], time.perf_counter(), resume_dir
     batches_done, epoch = 0, start_epoch
     memory.reset_peak(accelerator)
@@ -405,23 +404,14 @@ def main() -> None:
             if train_cfg.save_checkpoints and (status.stop or (scheduled and step < total_steps)):
                 last_checkpoint = save_checkpoint(epoch, batches_done)
             if status.stop:
-                if train_cfg.save_checkpoints:
-                    logger.info(
-                        "dpkit: stopped by %s after step %d/%d; resume with --resume latest "
-                        "(or --resume %s)",
-                        stop.name,
-                        step,
-                        total_steps,
-                        last_checkpoint,
-                    )
-                else:
-                    logger.info(
-                        "dpkit: stopped by %s after step %d/%d; nothing saved "
-                        "(--no-save-checkpoints)",
-                        stop.name,
-                        step,
-                        total_steps,
-                    )
+                then = (
+                    f"resume with --resume latest (or --resume {last_checkpoint})"
+                    if train_cfg.save_checkpoints
+                    else "nothing saved (--no-save-checkpoints)"
+                )
+                logger.info(
+                    "dpkit: stopped by %s after step %d/%d; %s", stop.name, step, total_steps, then
+                )
                 accelerator.end_training()
                 raise SystemExit(stop.exit_code)
             if step >= total_steps:
@@ -465,12 +455,7 @@ def main() -> None:
     # The final model as a Hugging Face folder in fp32, ZeRO shards consolidated; every
     # rank takes part (gathering them is collective).
     if train_cfg.save_model and not train_cfg.eval_only:
-        state_dict = checkpoint.full_fp32_state_dict(accelerator, model)
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(model).save_pretrained(
-                run.model_dir, state_dict=state_dict, safe_serialization=True
-            )
-            tokenizer.save_pretrained(run.model_dir)
+        checkpoint.save_model(accelerator, model, run.model_dir, tokenizer)
     accelerator.wait_for_everyone()
     accelerator.end_training()
 
@@ -495,5 +480,4 @@ def run_guarded() -> None:
 if __name__ == "__main__":
     # Tokenizer worker threads inside each of N processes oversubscribe the CPU.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_guarded()
-    guards.exit_after_success()
+    guards.run_and_exit(run_guarded)

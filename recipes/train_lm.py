@@ -124,6 +124,7 @@ def main() -> None:
             learning_rate=workload.learning_rate,
             weight_decay=workload.weight_decay,
             data_seed=workload.seed,
+            collective_timeout_s=strategy_cfg.collective_timeout,
             log_with=None if options.report_to == "none" else options.report_to,
             project_dir=workload.output_dir,
         )
@@ -257,5 +258,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
-    guards.exit_after_success()
+    guards.run_and_exit(main)

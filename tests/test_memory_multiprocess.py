@@ -28,7 +28,7 @@ import pytest
 
 from dpkit import plan_check
 from dpkit.analytic import model_state_bytes
-from dpkit.memory_report import MemoryReport
+from dpkit.memory_report import PARTITION_SHARE, MemoryReport, gradient_partition_bytes
 from tests.harness import BIN, accelerate_cmd, deepspeed_cmd, run, run_captured
 
 pytestmark = pytest.mark.multiprocess
@@ -50,8 +50,6 @@ MEMORY_RUN = [
     "--overwrite-output-dir",
 ]  # fmt: skip
 
-# dpkit.memory_walk names the rank's own gradient partition "<holder> (partition share)".
-PARTITION_SHARE = "(partition share)"
 # Holders of the excess over the partition, each one a named DeepSpeed mechanism.
 RESIDUAL_HOLDERS = (
     "boundary-straddling",  # (a) whole gradients of parameters cut by the partition
@@ -105,14 +103,7 @@ def check_optimizer_sharded(ddp: dict, zero: dict) -> None:
 
 def gradient_partition(row: dict) -> float:
     """Bytes of the rank's own gradient partition, at the probe point where ZeRO holds it."""
-    return max(
-        sum(
-            b
-            for name, b in phase["holders"].get("grads", {}).items()
-            if name.endswith(PARTITION_SHARE)
-        )
-        for phase in row["phases"].values()
-    )
+    return gradient_partition_bytes(row) or 0.0
 
 
 def excess_bound(report: dict) -> float:
