@@ -9,8 +9,10 @@ Runs, one after another, at N processes: ``recipes/train_lm.py`` under
 ``accelerate launch`` with ``ds_configs/accelerate/<strategy>.yaml`` for each
 strategy, and the bare baselines (``recipes/bare_ddp.py`` under ``torchrun``,
 ``recipes/bare_deepspeed.py`` under ``deepspeed``): same model, data, seed and
-steps. Every launch gets its own session, a free port and a hard timeout; a
-launch that fails stops the bench with the tail of its output.
+steps; then (N > 1) ``recipes/bench_collectives.py`` under ``torchrun`` times the
+collectives each strategy adds, alone, for the same model. Every launch gets its own
+session, a free port and a hard timeout; a launch that fails stops the bench with the
+tail of its output.
 
 Then, from each run's own files (:mod:`dpkit.bench_report`): the memory report
 per rank, the median step time after the warm-up, tokens/s and samples/s per
@@ -68,6 +70,12 @@ class Phase:
     """The full command line, run from the repository root."""
     run_dir: Path
     """Where the run writes train_log.jsonl (and, for dpkit runs, the memory report)."""
+    trains: bool = True
+    """A training run (logs steps); False for the collectives phase (collectives.json)."""
+
+
+# What the collectives phase writes (recipes/bench_collectives.py).
+COLLECTIVES_FILE = "collectives.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -280,7 +288,24 @@ def plan_phases(settings: dict, out: Path) -> list[Phase]:
                 *common, "--output-dir", str(run_dir),
             ]  # fmt: skip
         phases.append(Phase(name, strategy, True, launcher, cmd, run_dir))
+    if settings["nproc"] > 1:
+        phases.append(collectives_phase(settings, out))
     return phases
+
+
+def collectives_phase(settings: dict, out: Path) -> Phase:
+    """The collectives each strategy adds, timed alone for the same model
+    (``recipes/bench_collectives.py``): what the step times of the runs are made of."""
+    run_dir = out / "runs" / "collectives"
+    bucket = settings["zero_overrides"].get("reduce_bucket_size")
+    extra = ["--zero-bucket", str(int(float(bucket)))] if bucket not in (None, "auto") else []
+    cmd = [
+        _bin("torchrun"), "--nproc_per_node", str(settings["nproc"]),
+        "--master_port", str(_free_port()),
+        str(REPO / "recipes" / "bench_collectives.py"), *workload_args(settings), *extra,
+        "--output-dir", str(run_dir),
+    ]  # fmt: skip
+    return Phase("collectives", "-", True, "torchrun", cmd, run_dir, trains=False)
 
 
 # ---- running --------------------------------------------------------------------------------
@@ -355,7 +380,13 @@ def run_phase(phase: Phase, index: int, count: int, settings: dict, env: dict) -
     print(f"{label}: starting", file=sys.stderr, flush=True)
     total = settings["total_steps"]
     # A bar on a terminal; in a log (make, CI) only the start and end lines.
-    bar = tqdm(total=total, desc=f"  {phase.name}", unit="step", disable=None, leave=False)
+    bar = tqdm(
+        total=total,
+        desc=f"  {phase.name}",
+        unit="step",
+        disable=None if phase.trains else True,
+        leave=False,
+    )
     started = time.perf_counter()
     timeout = settings["launch_timeout_s"]
     with open(log_path, "w") as log:
@@ -396,6 +427,14 @@ def run_phase(phase: Phase, index: int, count: int, settings: dict, env: dict) -
             f"command: {shlex.join(phase.cmd)}\n--- last lines of {log_path} ---\n"
             f"{_tail(log_path, FAILURE_TAIL_LINES)}"
         )
+    if not phase.trains:
+        if not (phase.run_dir / COLLECTIVES_FILE).is_file():
+            raise BenchError(
+                f"{phase.name}: exited 0 but wrote no {COLLECTIVES_FILE}\n"
+                f"--- last lines of {log_path} ---\n{_tail(log_path, FAILURE_TAIL_LINES)}"
+            )
+        print(f"{label}: done in {wall:.0f} s", file=sys.stderr)
+        return wall
     done, loss = _steps_done(phase.run_dir)
     if done != total:
         raise BenchError(

@@ -28,7 +28,8 @@ from dpkit.analytic import model_state_bytes
 from dpkit.memory_report import gradient_partition_bytes
 from dpkit.run_output import read_jsonl
 
-CATEGORIES = ("params", "grads", "optimizer", "master", "buffers")
+STATE_CATEGORIES = ("params", "grads", "optimizer", "master")
+CATEGORIES = (*STATE_CATEGORIES, "buffers")
 MIB = 1024.0**2
 # The equivalence tolerance of tests/test_launchers.py (DDP against ZeRO), argued
 # there from measured rounding drift; the bench reports against the same figure.
@@ -199,7 +200,12 @@ def build_results(
     """Everything the bench measured and derived, JSON-ready."""
     nproc = settings["nproc"]
     runs: dict[str, dict[str, Any]] = {}
+    collectives = None
     for phase in phases:
+        if not phase.trains:
+            collectives = json.loads((phase.run_dir / "collectives.json").read_text())
+            collectives["wall_s"] = walls[phase.name]
+            continue
         run = {
             "name": phase.name,
             "strategy": phase.strategy,
@@ -226,7 +232,7 @@ def build_results(
             run["ds_config"] = json.loads((phase.run_dir / "ds_config.json").read_text())
         runs[phase.name] = run
 
-    strategies = [p.name for p in phases if not p.bare]
+    strategies = [p.name for p in phases if p.trains and not p.bare]
     num_params = runs[strategies[0]]["memory"]["num_params"]
     precision = runs[strategies[0]]["memory"]["precision"]
     ddp = runs.get("ddp")
@@ -294,6 +300,7 @@ def build_results(
         "strategies": strategies,
         "runs": runs,
         "comparison": comparison,
+        "collectives": collectives,
         "checks": checks(comparison, nproc),
     }
 
@@ -410,14 +417,15 @@ def format_markdown(results: dict[str, Any]) -> str:
         f"{settings['timed_steps']} timed steps (median).",
         "",
         "Memory per rank in MiB (the rank holding the most), measured by dpkit.memory; "
-        "paper = the ZeRO paper's accounting of the model states (dpkit.analytic); plan = "
-        "`dpkit plan` for this run, with gradients as DeepSpeed's layout holds them "
-        "(dpkit.zero_layout).",
+        "states = params + grads + optimizer + master, the model states that paper and plan "
+        "predict; total adds the communication buffers. paper = the ZeRO paper's accounting "
+        "(dpkit.analytic); plan = `dpkit plan` for this run, with gradients as DeepSpeed's "
+        "layout holds them (dpkit.zero_layout).",
         "",
-        "| strategy | params | grads | optimizer | master | buffers | total | paper | plan "
-        f"| peak ({first['memory']['peak_kind']}) | saved vs DDP, measured | saved vs DDP, paper "
-        "| tokens/s | vs DDP | dpkit/bare step | loss dev. vs DDP |",
-        "|---|" + "---:|" * 15,
+        "| strategy | params | grads | optimizer | master | states | buffers | total | paper "
+        f"| plan | peak ({first['memory']['peak_kind']}) | saved vs DDP, measured "
+        "| saved vs DDP, paper | tokens/s | vs DDP | dpkit/bare step | loss dev. vs DDP |",
+        "|---|" + "---:|" * 16,
     ]
     for name in results["strategies"]:
         run, row = runs[name], comparison[name]
@@ -425,7 +433,10 @@ def format_markdown(results: dict[str, Any]) -> str:
         dev = row.get("loss_max_rel_dev_vs_ddp")
         cells = [
             LABELS[name],
-            *(_mib(per_rank[c]) for c in (*CATEGORIES, "total")),
+            *(_mib(per_rank[c]) for c in STATE_CATEGORIES),
+            _mib(sum(per_rank[c] for c in STATE_CATEGORIES)),
+            _mib(per_rank["buffers"]),
+            _mib(per_rank["total"]),
             _mib(row["predicted_model_states"]),
             _mib(row["plan_model_states"]),
             _mib(run["memory"]["peak_bytes"]),
@@ -478,6 +489,7 @@ def format_markdown(results: dict[str, Any]) -> str:
             f"{run['wall_s']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _collectives_lines(results)
     if results["checks"]:
         lines += ["", "Checks:"]
         for check in results["checks"]:
@@ -491,6 +503,58 @@ def format_markdown(results: dict[str, Any]) -> str:
     if settings_line:
         lines += ["", settings_line]
     return "\n".join(lines)
+
+
+COLLECTIVE_ROWS = (
+    ("ddp_allreduce", "allreduce, DDP's buckets issued together", "DDP, during backward"),
+    ("zero_reduce", "allreduce, ZeRO buckets one at a time", "ZeRO-1/2 gradient reduction"),
+    ("zero_allgather", "all-gather of the parameter partitions", "ZeRO-1/2, after the step"),
+)
+
+
+def _collectives_lines(results: dict[str, Any]) -> list[str]:
+    """The collectives phase: each strategy's communication timed alone, beside the
+    step-time difference it explains."""
+    comm = results.get("collectives")
+    if not comm:
+        return []
+    patterns = comm["patterns"]
+    lines = [
+        "",
+        f"Communication of one step, each pattern timed alone (recipes/bench_collectives.py: "
+        f"{comm['backend']}, {comm['world_size']} ranks, the model's "
+        f"{comm['num_params'] / 1e6:.1f}M {comm['dtype']} elements, median of "
+        f"{comm['repeats']} rounds, the slowest rank's; ZeRO bucket "
+        f"{comm['zero_bucket_elements']:,} elements):",
+        "",
+        "| collective | used by | calls | MiB | median (ms) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for key, what, who in COLLECTIVE_ROWS:
+        row = patterns[key]
+        lines.append(
+            f"| {what} | {who} | {row['calls']} | {_mib(row['bytes'])} | "
+            f"{row['median_s'] * 1e3:.1f} |"
+        )
+    runs = results["runs"]
+    if "ddp" in runs:
+        zero_comm = patterns["zero_reduce"]["median_s"] + patterns["zero_allgather"]["median_s"]
+        ddp_step = runs["ddp"]["median_step_time_s"]
+        over = [
+            f"{LABELS[name]} {1e3 * (runs[name]['median_step_time_s'] - ddp_step):+.0f} ms"
+            for name in ("zero1", "zero2")
+            if name in runs
+        ]
+        if over:
+            lines += [
+                "",
+                f"Step time over DDP's: {', '.join(over)}. ZeRO's reduction and all-gather "
+                f"take {zero_comm * 1e3:.0f} ms together against DDP's allreduce "
+                f"{patterns['ddp_allreduce']['median_s'] * 1e3:.0f} ms, which DDP also "
+                "overlaps with backward; where DeepSpeed runs its collectives on the "
+                "compute thread (a CPU accelerator), none of ZeRO's is hidden.",
+            ]
+    return lines
 
 
 def _zero_settings_line(results: dict[str, Any]) -> str:

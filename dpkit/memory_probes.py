@@ -152,11 +152,19 @@ class StepProbes:
         self._zero_groups = len(getattr(zero, "bit16_groups", []))
         for method, point in (
             ("reduce_gradients", "zero_reduce_gradients_begin"),
+            # Every bucket reduction, while the gradient that filled the bucket is alive.
+            ("reduce_ipg_grads", "zero_reduce_bucket"),
             ("independent_gradient_partition_epilogue", "zero_backward_epilogue_begin"),
         ):
             original = getattr(zero, method, None)
             if original is not None:
                 self._replace(zero, method, self._probed(point, original))
+
+        original_copy = getattr(zero, "copy_grads_in_partition", None)
+        if original_copy is not None:
+            self._replace(
+                zero, "copy_grads_in_partition", self._probed_first_copy(zero, original_copy)
+            )
 
         original_step = zero.step
 
@@ -191,6 +199,25 @@ class StepProbes:
             return flat
 
         self._replace(zero, "flatten", flatten)
+
+    def _probed_first_copy(self, zero: Any, original: Any) -> Any:
+        """With ``contiguous_gradients``, the first copy into the partition buffer
+        allocates it (whole parameters) while the gradients not reduced yet are alive:
+        ZeRO-1's reduction high-water. Probed after that copy, with the copied gradient
+        (alive until the copy ends) counted too."""
+
+        def copy_grads_in_partition(param: Any, *args: Any, **kwargs: Any) -> Any:
+            first = getattr(zero, "grads_in_partition", False) is None
+            # detach(): DeepSpeed swaps param.grad.data; this keeps the copied storage.
+            grad = param.grad.detach() if first and param.grad is not None else None
+            result = original(param, *args, **kwargs)
+            if first and getattr(zero, "grads_in_partition", None) is not None:
+                holder = "param.grad (being copied into the partition buffer)"
+                extra = [(grad, "grads", holder)] if grad is not None else []
+                self.probe("zero_partition_buffer_allocated", extra=extra)
+            return result
+
+        return copy_grads_in_partition
 
     def _probed(self, point: str, original: Any) -> Any:
         def probed(*args: Any, **kwargs: Any) -> Any:

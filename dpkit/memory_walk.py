@@ -311,8 +311,16 @@ def _walk_zero(ledger: Ledger, model: torch.nn.Module, zero: Any) -> dict[str, A
         ledger, [partition_buffer], "grads_in_partition", all_partition_params, extras
     )
     averaged = getattr(zero, "averaged_gradients", None) or {}
+    # With contiguous_gradients every group's averaged_gradients are views into the one
+    # buffer of all groups: claiming any of them claims the whole buffer, so the part
+    # outside the partition is named from every group's cut parameters.
+    shared_buffer = bool(getattr(zero, "contiguous_gradients", False))
     for group, value in averaged.items() if isinstance(averaged, dict) else []:
-        params = groups[group] if group < len(groups) else []
+        params = (
+            all_partition_params
+            if shared_buffer
+            else (groups[group] if group < len(groups) else [])
+        )
         _claim_partition_grads(ledger, _tensors_in(value), "averaged_gradients", params, extras)
     ledger.claim_all(
         _tensors_in(getattr(zero, "all_grad_tensors", None)), "grads", "all_grad_tensors"

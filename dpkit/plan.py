@@ -348,6 +348,7 @@ def gradient_layout(
         4 if inputs.precision == "fp32" else 2,
         settings["reduce_bucket_size"],
         settings["contiguous_gradients"],
+        inputs.model.param_order[::-1] or None,
     )
 
 
@@ -359,6 +360,7 @@ def _worst_rank_gradients(
     module_bytes: int,
     reduce_bucket_size: int,
     contiguous_gradients: bool,
+    arrival: tuple[tuple[int, int], ...] | None,
 ) -> GradientHighWater:
     # Cached: the micro-batch search asks for the same layout dozens of times.
     ranks = gradient_high_water(
@@ -368,6 +370,7 @@ def _worst_rank_gradients(
         module_bytes=module_bytes,
         reduce_bucket_size=reduce_bucket_size,
         contiguous_gradients=contiguous_gradients,
+        arrival=arrival,
     )
     worst = max(ranks, key=lambda r: r.bytes)
     # The peak of each phase may sit on another rank than the overall high-water.

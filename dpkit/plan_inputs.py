@@ -148,6 +148,9 @@ class ModelSpec:
     param_groups: tuple[tuple[int, ...], ...] = ()
     """Elements of each parameter, per optimizer group of the recipes, in order: the
     layout DeepSpeed partitions (:mod:`dpkit.zero_layout`). Empty for a bare count."""
+    param_order: tuple[tuple[int, int], ...] = ()
+    """(group, index in ``param_groups``) of every parameter in the model's own order:
+    backward produces their gradients roughly in reverse. Empty for a bare count."""
 
     @property
     def has_shapes(self) -> bool:
@@ -265,6 +268,8 @@ def spec_from_config(name: str, source: str, config: Any, task: str = "causal_lm
         (sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()),
         default=0,
     )
+    groups = [group["params"] for group in adamw_param_groups(model, 0.0)]
+    where = {id(p): (g, i) for g, group in enumerate(groups) for i, p in enumerate(group)}
     return ModelSpec(
         name=name,
         source=source,
@@ -273,7 +278,6 @@ def spec_from_config(name: str, source: str, config: Any, task: str = "causal_lm
         largest_layer_params=largest,
         small_tensor_params=sum(p.numel() for p in params if p.numel() < threshold),
         gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
-        param_groups=tuple(
-            tuple(p.numel() for p in group["params"]) for group in adamw_param_groups(model, 0.0)
-        ),
+        param_groups=tuple(tuple(p.numel() for p in group) for group in groups),
+        param_order=tuple(where[id(p)] for p in params if id(p) in where),
     )

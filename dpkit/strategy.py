@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.errors import UsageError
+from dpkit.memory_settings import bucket_elements
 
 logger = logging.getLogger(__name__)
 
@@ -276,10 +277,10 @@ def fill_deepspeed_config(
             config[name] = {"enabled": False}
 
     zero = config.setdefault("zero_optimization", {})
-    # Buckets sized to the model: hidden^2 elements (accelerate's and HF Trainer's
-    # rule) instead of DeepSpeed's 5e8 default, which for a model under ~100M
-    # parameters is a bucket larger than all the gradients together.
-    bucket = int(hidden_size * hidden_size) if hidden_size else int(5e8)
+    # Buckets sized to the model (dpkit.memory_settings) instead of DeepSpeed's 5e8
+    # default, which for a model under ~100M parameters is a bucket larger than all
+    # the gradients together; refined once the parameter count is known.
+    bucket = bucket_elements(hidden_size)
     # contiguous_gradients/overlap_comm: DeepSpeed's own defaults until
     # PreparedStrategy.apply_model_settings() knows the model's sizes.
     settings = {

@@ -116,6 +116,17 @@ def test_a_failed_launch_stops_the_bench_with_its_output(tmp_path):
     assert "something broke here" in str(err.value)
 
 
+def test_gradients_are_bucketed_as_they_arrive():
+    from recipes.bench_collectives import greedy_buckets
+
+    # A gradient that would overflow the bucket sends it first; one larger than the
+    # bucket goes alone; a smaller first bucket (DDP's) closes early.
+    assert greedy_buckets([3, 3, 3, 10, 1], cap=6) == [6, 3, 10, 1]
+    assert greedy_buckets([3, 3, 3, 10, 1], cap=6, first_cap=2) == [3, 6, 10, 1]
+    assert greedy_buckets([5], cap=100) == [5]
+    assert sum(greedy_buckets(list(range(1, 50)), cap=7)) == sum(range(1, 50))
+
+
 # ---- the real bench ---------------------------------------------------------------------------
 
 
@@ -199,3 +210,16 @@ def test_tiny_bench_results_are_consistent(tmp_path):
         assert optimizer == pytest.approx(ddp_optimizer / NPROC, rel=0.01), name
         assert comparison[name]["loss_max_rel_dev_vs_ddp"] < bench_report.LOSS_RTOL
     assert {c["strategy"] for c in results["checks"]} == {"ddp", "zero1", "zero2"}
+
+    # The collectives phase timed the same model's bytes in each strategy's pattern.
+    comm = results["collectives"]
+    assert comm["world_size"] == NPROC and comm["num_params"] == num_params
+    assert (
+        comm["zero_bucket_elements"]
+        == runs["zero2"]["ds_config"]["zero_optimization"]["reduce_bucket_size"]
+    )
+    for name, pattern in comm["patterns"].items():
+        assert pattern["bytes"] >= 4 * num_params, name  # fp32; the all-gather pads
+        assert len(pattern["times_s"]) == comm["repeats"]
+        assert pattern["median_s"] > 0 and pattern["calls"] >= 1
+    assert "Communication of one step, each pattern timed alone" in table

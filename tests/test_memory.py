@@ -311,10 +311,12 @@ def test_deepspeed_world_of_one_finds_zero_partitions(tmp_path, strategy):
     assert row["master"] == pytest.approx(PARAM_BYTES, rel=1e-3)
     assert row["optimizer"] == pytest.approx(2 * PARAM_BYTES, rel=1e-3)
     assert row["params"] == pytest.approx(PARAM_BYTES, rel=1e-3)
-    # The gradient high-water is the ZeRO step's flat copy next to the gradients it copies.
+    # The gradient high-water is the ZeRO step's flat copy next to the gradients it copies
+    # (ZeRO-1 holds as much once before: its partition buffer beside every full gradient).
     assert row["grads"] == pytest.approx(2 * PARAM_BYTES, rel=1e-3)
-    assert row["high_water_points"]["grads"] == "zero_step_flatten_grads"
-    assert "flat gradient partition (copy made by the ZeRO step)" in row["holders"]["grads"]
+    flatten = row["phases"]["zero_step_flatten_grads"]
+    assert flatten["grads"] == pytest.approx(2 * PARAM_BYTES, rel=1e-3)
+    assert "flat gradient partition (copy made by the ZeRO step)" in flatten["holders"]["grads"]
     # What the inner optimizer steps on is one partition's gradient.
     assert row["phases"]["optimizer_step_begin"]["grads"] == pytest.approx(PARAM_BYTES, rel=1e-3)
     assert "zero_fp32_partition" in row["holders"]["master"]
@@ -343,14 +345,21 @@ MINILM = {"num_params": 22_713_986, "hidden_size": 384, "largest_param_numel": 3
 
 
 def test_zero_settings_size_the_bucket_to_the_model_not_deepspeeds_default():
+    # hidden^2 = 147,456 is below the floor: 2^21 elements, so a step makes few calls.
     settings = memory.zero_memory_settings(**MINILM, world_size=2, stage=2)
-    assert settings["reduce_bucket_size"] == 384 * 384
-    assert settings["allgather_bucket_size"] == 384 * 384
-    # A model smaller than hidden^2 never gets a bucket larger than itself.
+    assert settings["reduce_bucket_size"] == memory_settings.MIN_BUCKET_ELEMENTS == 2**21
+    assert settings["allgather_bucket_size"] == 2**21
+    # Above the floor, hidden^2 (Llama-7B's hidden size).
+    llama = memory.zero_memory_settings(6_738_415_616, 4096, world_size=8, stage=2)
+    assert llama["reduce_bucket_size"] == 4096 * 4096
+    # A model smaller than the floor never gets a bucket larger than itself.
     tiny = memory.zero_memory_settings(1000, 384, world_size=2, stage=2)
     assert tiny["reduce_bucket_size"] == 1000
     huge = memory.zero_memory_settings(10**12, 10**6, world_size=8, stage=2)
     assert huge["reduce_bucket_size"] == 500_000_000
+    # Before the model is built (no parameter count): the same rule, uncapped.
+    assert memory_settings.bucket_elements(384) == 2**21
+    assert memory_settings.bucket_elements(None) == 500_000_000
 
 
 def test_zero_settings_follow_the_measurements():

@@ -29,7 +29,7 @@ import pytest
 from dpkit import plan_check
 from dpkit.analytic import model_state_bytes
 from dpkit.memory_report import PARTITION_SHARE, MemoryReport, gradient_partition_bytes
-from tests.harness import BIN, accelerate_cmd, deepspeed_cmd, run, run_captured
+from tests.harness import BIN, REPO, accelerate_cmd, deepspeed_cmd, free_port, run, run_captured
 
 pytestmark = pytest.mark.multiprocess
 
@@ -227,6 +227,31 @@ def test_plan_predicts_the_measured_model_states(runs_root, strategy, world_size
         # DeepSpeed holds several times the paper's Psi/N; the plan says where.
         assert check.grads_where.startswith("rank ")
         assert check.predicted["grads"] > 2 * check.grads_paper, table
+
+
+LM_RECIPE = str(REPO / "recipes" / "train_lm.py")
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("strategy", ["zero1", "zero2"])
+def test_plan_predicts_contiguous_gradients_too(runs_root, strategy, world_size):
+    """The tiny GPT-2 shape: its tied word embedding (2^21 elements) fits the bucket, so
+    dpkit keeps contiguous_gradients on; DeepSpeed then reduces through its pre-sized
+    partition buffer, which the layout model follows bucket by bucket."""
+    out = runs_root / f"lm-{strategy}-{world_size}"
+    cmd = [
+        str(BIN / "deepspeed"), "--num_gpus", str(world_size), "--master_port", str(free_port()),
+        LM_RECIPE, "--strategy", strategy, "--size", "tiny", "--synthetic", "--seq-len", "64",
+        "--max-steps", "2", "--output-dir", str(out),
+    ]  # fmt: skip
+    run(cmd, out).check()
+    settings = json.loads((out / "ds_config.json").read_text())["zero_optimization"]
+    assert settings["contiguous_gradients"] is True
+    check = plan_check.check_run(out)
+    table = plan_check.format_check(check)
+    for category in plan_check.CATEGORIES:
+        if check.error_pct[category] is not None:
+            assert abs(check.error_pct[category]) <= PLAN_CATEGORY_TOLERANCE_PCT, table
 
 
 def test_plan_against_prints_the_comparison(runs_root):

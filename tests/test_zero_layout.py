@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from dpkit.zero_layout import gradient_high_water, partition_group
+from dpkit.zero_layout import gradient_high_water, partition_group, stage1_contiguous_reduction
 
 MIB = 2**20
 
@@ -56,8 +56,11 @@ def test_a_parameter_larger_than_the_bucket_adds_its_full_gradient_in_backward()
     assert off[0].backward == 4 * (16 + 16)
     # Rank 1 owns it: without contiguous buffers it is not held twice...
     assert off[1].backward == 4 * 16
-    # ...with them, its pre-sized slot and its own gradient coexist.
-    assert on[1].backward == 4 * (16 + 16)
+    # ...with them, its pre-sized slot and its own gradient coexist, and the gradient
+    # whose arrival triggers that reduction (4) is alive too.
+    assert on[1].backward == 4 * (16 + 16 + 4)
+    # Rank 0's buffer (16) is allocated when the 12 arrives and reduces the bucket [4].
+    assert on[0].backward == 4 * (16 + 12)
 
 
 def test_mixed_precision_adds_the_fp32_cast_of_the_flat_copy():
@@ -89,6 +92,43 @@ def test_zero1_holds_every_full_gradient_until_backward_ends():
     assert ranks[0].step == 4 * (12 + 2)
     # Rank 1: whole 20 of group 0 and the flat copy of its 10.
     assert ranks[1].step == 4 * (20 + 10)
+
+
+def test_zero1_contiguous_allocates_its_partition_buffer_beside_what_is_not_bucketed():
+    # Four 4-element parameters, N=2 (partitions of 8), bucket 4. After backward ZeRO-1
+    # moves the gradients into its bucket in order, freeing each one's own storage.
+    ranks = gradient_high_water(
+        [[4, 4, 4, 4]],
+        stage=1,
+        world_size=2,
+        module_bytes=1,
+        reduce_bucket_size=4,
+        contiguous_gradients=True,
+    )
+    # Rank 0: the first bucket [p0] is its own, reduced when p1 arrives: the buffer (8)
+    # beside the 12 elements not bucketed yet.
+    assert ranks[0].backward == 8 + 12
+    # Rank 1: its first bucket [p2] is reduced when p3 arrives: 8 + 4, under the 16
+    # every rank holds when backward ends.
+    assert ranks[1].backward == 16
+    assert stage1_contiguous_reduction([[4, 4, 4, 4]], 2, 1, 4) == 8 + 4
+
+
+def test_zero2_contiguous_holds_the_gradient_whose_arrival_reduces_a_bucket():
+    # [8, 2, 2], N=2: partitions of 6; the 8 straddles the cut. Backward produces the
+    # gradients in reverse (2, 2, 8); bucket 4, so the 8 is reduced alone.
+    common = dict(stage=2, world_size=2, module_bytes=1, reduce_bucket_size=4)
+    ranks = gradient_high_water([[8, 2, 2]], contiguous_gradients=True, **common)
+    # Rank 1 (whole 8 + 2 + 2): the 8 arrives and reduces [2, 2], its own: buffer 12 + 8.
+    assert ranks[1].backward == 12 + 8
+    # Rank 0 (whole 8): its buffer comes with the last reduction, of the 8 itself.
+    assert ranks[0].backward == 8 + 8
+    # A gradient arriving last in another order (a tied embedding) is held the same way.
+    late = gradient_high_water(
+        [[2, 8, 2]], contiguous_gradients=True, arrival=[(0, 2), (0, 0), (0, 1)], **common
+    )
+    # [2, 8, 2]: each rank's whole is 10; the 8, last, reduces [2, 2] while alive.
+    assert [r.backward for r in late] == [10 + 8, 10 + 8]
 
 
 @pytest.mark.parametrize("stage", [3, 0])
