@@ -55,7 +55,7 @@ REASONS: dict[str, str] = {
         "gradient (ZeRO-1: with every gradient not reduced yet) still alive: both coexist. Off "
         "when the largest parameter exceeds the bucket and a quarter of the partition "
         "(MiniLM's word embedding at 4 ranks, measured worst-rank gradient high-water: ZeRO-2 "
-        "110.5 -> 87.4 MiB, ZeRO-1 107.7 -> 87.4 MiB); otherwise on, against allocator "
+        "110.5 -> 87.4 MiB, ZeRO-1 152.4 -> 87.4 MiB); otherwise on, against allocator "
         "fragmentation on CUDA"
     ),
     "round_robin_gradients": (
