@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-from dpkit.bench_report import BARE_OF
+from dpkit.bench_report import BARE_OF, COLLECTIVES_FILE
 from dpkit.errors import UsageError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -72,10 +72,6 @@ class Phase:
     """Where the run writes train_log.jsonl (and, for dpkit runs, the memory report)."""
     trains: bool = True
     """A training run (logs steps); False for the collectives phase (collectives.json)."""
-
-
-# What the collectives phase writes (recipes/bench_collectives.py).
-COLLECTIVES_FILE = "collectives.json"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

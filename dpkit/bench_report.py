@@ -41,6 +41,8 @@ TARGET_THROUGHPUT_VS_DDP = 0.9
 # The planning issue's bound on dpkit plan's model-state total against the measurement.
 TARGET_PLAN_ERROR_PCT = 10.0
 LABELS = {"ddp": "DDP", "zero1": "ZeRO-1", "zero2": "ZeRO-2"}
+# What the bench's collectives phase writes (recipes/bench_collectives.py).
+COLLECTIVES_FILE = "collectives.json"
 # Each dpkit strategy's bare twin (the run its step time is divided by).
 BARE_OF = {"ddp": "bare_ddp", "zero1": "bare_zero1", "zero2": "bare_zero2"}
 
@@ -203,7 +205,7 @@ def build_results(
     collectives = None
     for phase in phases:
         if not phase.trains:
-            collectives = json.loads((phase.run_dir / "collectives.json").read_text())
+            collectives = json.loads((phase.run_dir / COLLECTIVES_FILE).read_text())
             collectives["wall_s"] = walls[phase.name]
             continue
         run = {

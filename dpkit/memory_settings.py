@@ -45,9 +45,10 @@ REASONS: dict[str, str] = {
         "buffer); set like reduce_bucket_size so the legacy chunked path stays small"
     ),
     "overlap_comm": (
-        "a second ipg bucket (measured 0.56 -> 1.1 MiB at a 147,456-element bucket); on CPU it overlaps nothing (no "
-        "streams), and in ZeRO-1 it moves reduction into backward where rank 1's gradient "
-        "high-water rose 86.6 -> 131.4 MiB; on for ZeRO-2 on CUDA only, where it buys overlap"
+        "a second ipg bucket (measured 0.56 -> 1.1 MiB at a 147,456-element bucket); on CPU "
+        "it overlaps nothing (no streams), and in ZeRO-1 it moves reduction into backward "
+        "where rank 1's gradient high-water rose 86.6 -> 131.4 MiB; on for ZeRO-2 on CUDA "
+        "only, where it buys overlap"
     ),
     "contiguous_gradients": (
         "ZeRO-1 and -2 pre-size grads_in_partition for every parameter touching the "

@@ -35,13 +35,13 @@ import torch.distributed as dist
 
 from dpkit import guards, lm_data
 from dpkit.errors import UsageError
-from dpkit.memory_settings import bucket_elements
+from dpkit.memory_settings import bucket_elements, ddp_kwargs
 from dpkit.models import adamw_param_groups, count_parameters
 
-# torch DDP's defaults: bucket_cap_mb=25, and a 1 MiB first bucket (backward's first
-# gradients start reducing early).
-DDP_BUCKET_BYTES = 25 * 1024**2
-DDP_FIRST_BUCKET_BYTES = 1024**2
+# DDP's buckets as dpkit configures them, and torch's smaller first bucket (backward's
+# first gradients start reducing early).
+DDP_BUCKET_BYTES = int(ddp_kwargs()["bucket_cap_mb"] * 1024**2)
+DDP_FIRST_BUCKET_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 @dataclass
@@ -138,10 +138,12 @@ def main() -> None:
             dist.all_reduce(chunk)
 
     gathered = [torch.empty(n, dtype=dtype, device=device) for n in gather_sizes]
+    # Each rank's own partition, made before the clock starts: only the collective is timed.
+    shards = [out.chunk(world_size)[rank].clone() for out in gathered]
 
     def zero_allgather() -> None:
-        for out in gathered:
-            dist.all_gather_single(out, out.chunk(world_size)[rank].clone())
+        for out, shard in zip(gathered, shards, strict=True):
+            dist.all_gather_single(out, shard)
 
     patterns = {
         "ddp_allreduce": (ddp_allreduce, ddp_sizes),
