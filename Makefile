@@ -12,12 +12,19 @@ STAMP := $(VENV)/.dpkit-installed
 setup: $(STAMP)
 
 # The venv sees system site-packages so that a GPU box's own CUDA torch is used
-# as is. Without torch, a machine with no NVIDIA driver gets the CPU build:
-# first from a local wheel folder (pip's find-links), else from PyTorch's CPU
-# index; it never falls through to PyPI's multi-GB CUDA wheels.
-$(STAMP): pyproject.toml
+# as is, provided it is in the series dpkit was tested on (pyproject.toml); setup
+# stops with one line otherwise rather than replace it. Without torch, a machine
+# with no NVIDIA driver gets the CPU build: first from a local wheel folder (pip's
+# find-links), else from PyTorch's CPU index; it never falls through to PyPI's
+# multi-GB CUDA wheels. The rest comes from constraints.txt, the set the suite passed on.
+TORCH_IN_RANGE := import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(v != (2, 13))
+$(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	@if $(PY) -c "import torch" 2>/dev/null; then \
+		if ! $(PY) -c '$(TORCH_IN_RANGE)'; then \
+			echo "setup: error: installed torch $$($(PY) -c 'import torch; print(torch.__version__)') is outside the series dpkit is tested on (2.13.x, pyproject.toml); setup keeps an installed torch, so install torch 2.13 first"; \
+			exit 2; \
+		fi; \
 		echo "setup: keeping installed torch $$($(PY) -c 'import torch; print(torch.__version__)')"; \
 	elif command -v nvidia-smi >/dev/null 2>&1; then \
 		$(PY) -m pip install "torch==$(TORCH_VERSION)"; \
@@ -28,7 +35,7 @@ $(STAMP): pyproject.toml
 			$(PY) -m pip install "torch==$(TORCH_VERSION)" --extra-index-url https://download.pytorch.org/whl/cpu; \
 		fi; \
 	fi
-	$(PY) -m pip install -e ".[test]"
+	$(PY) -m pip install -c constraints.txt -e ".[test]"
 	$(VENV)/bin/dpkit data fetch
 	touch $(STAMP)
 
@@ -40,6 +47,8 @@ finetune: setup
 
 # DDP vs ZeRO-1 vs ZeRO-2 side by side (plus bare torch/DeepSpeed baselines):
 # memory per rank, throughput, loss equivalence -> bench_results/latest/{results.json,results.md,chart.png}
+# All GPUs, or 2 processes on CPU (about 2 min on 2 cores; 4 processes took 14 min there:
+# docs/bench-cpu-4proc.md, made with `dpkit bench --nproc 4`).
 bench-zero: setup
 	$(VENV)/bin/dpkit bench --output-dir bench_results/latest
 

@@ -16,13 +16,16 @@ from dpkit.errors import EXIT_USAGE, UsageError
 # command name -> (module, one-line help)
 COMMANDS = {
     "data": (
-        "dpkit.data",
+        "dpkit.data.embedded",
         "fetch the embedded datasets (Rotten Tomatoes, Shakespeare) into the cache",
     ),
-    "plan": ("dpkit.plan", "predict per-GPU memory for DDP and ZeRO before launching"),
-    "bench": ("dpkit.bench", "DDP vs ZeRO-1 vs ZeRO-2 side by side: memory, throughput, losses"),
+    "plan": ("dpkit.plan.cli", "predict per-GPU memory for DDP and ZeRO before launching"),
+    "bench": (
+        "dpkit.bench.cli",
+        "DDP vs ZeRO-1 vs ZeRO-2 side by side: memory, throughput, losses",
+    ),
     "consolidate": (
-        "dpkit.consolidate",
+        "dpkit.train.consolidate",
         "a dpkit or DeepSpeed ZeRO checkpoint to a Hugging Face model folder (fp32)",
     ),
 }

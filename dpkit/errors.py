@@ -1,4 +1,4 @@
-"""The one exception type for bad input."""
+"""The one exception type for bad input, and the check that raises it naming the flag."""
 
 
 class UsageError(ValueError):
@@ -10,3 +10,9 @@ class UsageError(ValueError):
 
 
 EXIT_USAGE = 2
+
+
+def check_field(condition: bool, field_name: str, value: object, expectation: str) -> None:
+    """Raise ``--field-name=value: expectation`` unless ``condition`` holds."""
+    if not condition:
+        raise UsageError(f"--{field_name.replace('_', '-')}={value!r}: {expectation}")

@@ -1,8 +1,12 @@
-"""Model resolution: hub names, local folders, and the embedded offline default."""
+"""Models: Hub names, local folders and the embedded offline default; their sizes and optimizer groups."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from dpkit.errors import UsageError
 
@@ -43,11 +47,56 @@ def load_model_config(name: str):
 
 
 def max_positions(config) -> int | None:
+    """The model's position limit, under the names configs give it; None if it has none."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def hidden_size_of(config: Any) -> int | None:
+    """The hidden width, under the names configs give it (BERT/Llama ``hidden_size``, GPT-2
+    ``n_embd``, T5/BART ``d_model``); None if the config names none."""
+    for key in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """What the run setup needs to know of a model before it exists on any device:
+    ZeRO's bucket sizes and gradient layout follow from these (dpkit.memory.settings)."""
+
+    num_params: int
+    """Trainable parameters, tied weights counted once."""
+    largest_param_numel: int
+    """Elements of the largest parameter (a word embedding, usually)."""
+    hidden_size: int | None
+    """The hidden width, when the config names one."""
+
+    @classmethod
+    def of(cls, model: Any) -> ModelSizes:
+        """Sizes of a ``torch.nn.Module`` (exact), of a transformers config (the model built
+        on the meta device: no memory, no weights), or ``ModelSizes`` as given."""
+        import torch
+
+        if isinstance(model, ModelSizes):
+            return model
+        if isinstance(model, torch.nn.Module):
+            module, config = model, getattr(model, "config", None)
+        else:
+            module, config = build_meta_model(model), model
+        trainable = [p for p in module.parameters() if p.requires_grad]
+        if not trainable:
+            raise ValueError(f"{type(module).__name__} has no trainable parameters")
+        return cls(
+            num_params=sum(p.numel() for p in trainable),
+            largest_param_numel=max(p.numel() for p in trainable),
+            hidden_size=hidden_size_of(config) if config is not None else None,
+        )
 
 
 def count_parameters(model, trainable_only: bool = False) -> int:
@@ -63,10 +112,52 @@ def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order.
 
     DeepSpeed flattens and partitions each group on its own, so ``dpkit plan`` lays the
-    gradients out from these same groups (:mod:`dpkit.zero_layout`).
+    gradients out from these same groups (:mod:`dpkit.memory.zero_layout`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     return [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """Silence transformers' warnings (config nits, loss-type notes): one-line
+    errors stay the only lines on stderr."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+
+
+def build_meta_model(
+    config: Any, attn_implementation: str | None = None, task: str = "causal_lm"
+) -> Any:
+    """The model for ``config`` on the meta device: shapes and code, no memory, no weights.
+
+    ``task`` picks the head: ``causal_lm`` (the bare model where the config has no
+    causal-LM class) or ``sequence_classification`` (``recipes/finetune.py``'s model).
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    with quiet_transformers(), init_empty_weights():
+        if task == "sequence_classification":
+            model = AutoModelForSequenceClassification.from_config(config, **kwargs)
+        else:
+            try:
+                model = AutoModelForCausalLM.from_config(config, **kwargs)
+            except ValueError:  # not a causal LM (an encoder, say): the bare model
+                model = AutoModel.from_config(config, **kwargs)
+    # init_empty_weights re-registers every parameter on the meta device, which
+    # leaves transformers 5's tied weights untied (GPT-2 would count 163M, not
+    # 124M); tying again restores what a real load does (and honours
+    # tie_word_embeddings=False).
+    model.tie_weights()
+    return model

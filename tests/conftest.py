@@ -42,6 +42,15 @@ def module_tmp(tmp_path_factory, request) -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.fixture(scope="session")
+def wheel_env(tmp_path_factory):
+    """dpkit built as a wheel and installed into a fresh venv outside the checkout
+    (tests/wheel_env.py); built once per session."""
+    from tests import wheel_env as wheel
+
+    return wheel.build(tmp_path_factory.mktemp("wheel"))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_shared_memory_leaks():
     """Fail the session if any run left DeepSpeed's /dev/shm segments behind (66 MB each)."""

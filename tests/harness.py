@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpkit.run_output import read_jsonl
+from dpkit.train.run_output import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent

@@ -38,11 +38,17 @@ from pathlib import Path
 
 import pytest
 
-from dpkit.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig, parse_finetune_args
-from dpkit.data import check_classification_data
+from dpkit.data.classification import check_classification_data
 from dpkit.errors import UsageError
-from dpkit.strategy import DS_CONFIG_DIR, resolve_precision, resolve_strategy
-from tests.harness import accelerate_cmd, assert_refused, deepspeed_cmd, python_cmd, run
+from dpkit.train.config import StrategyConfig
+from dpkit.train.finetune_config import (
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    parse_finetune_args,
+)
+from dpkit.train.launch import resolve_precision, resolve_strategy
+from tests.harness import REPO, accelerate_cmd, assert_refused, deepspeed_cmd, python_cmd, run
 
 # Small and quick: every case here is refused before any of it matters.
 ARGS = ["--max-steps", "2", "--micro-batch-size", "16", "--max-seq-length", "64"]
@@ -56,7 +62,7 @@ def _write(tmp: Path, name: str, text: str) -> Path:
 
 def _ds_config(tmp: Path, name: str, **sections) -> str:
     """The shipped zero2.json with top-level keys replaced or added (sections merged)."""
-    config = json.loads((DS_CONFIG_DIR / "zero2.json").read_text())
+    config = json.loads((REPO / "ds_configs" / "zero2.json").read_text())
     for key, value in sections.items():
         if isinstance(value, dict) and isinstance(config.get(key), dict):
             config[key] = {**config[key], **value}
@@ -359,7 +365,7 @@ def test_valid_deepspeed_keys_are_accepted(tmp_path):
         communication_data_type="fp32",
         prescale_gradients=False,
     )
-    assert resolve_strategy("auto", path, {}).name == "zero1"
+    assert resolve_strategy("auto", path, {}).strategy.name == "zero1"
 
 
 def test_fp16_from_the_launcher_on_cpu():
@@ -531,7 +537,7 @@ def test_data_that_fits_passes(tmp_path):
 
 
 def test_deepspeed_keys_come_from_the_installed_deepspeed():
-    from dpkit.ds_config_keys import model_keys, pydantic_sections, top_level_keys
+    from dpkit.train.ds_config_keys import model_keys, pydantic_sections, top_level_keys
 
     keys = top_level_keys()
     assert keys is not None, "the DeepSpeedConfig probe failed: top-level keys would go unchecked"

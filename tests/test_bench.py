@@ -16,9 +16,12 @@ import sys
 
 import pytest
 
-from dpkit import bench, bench_report, lm_data
-from dpkit.analytic import model_state_bytes
+from dpkit.bench import cli as bench_cli
+from dpkit.bench import launch as bench
+from dpkit.bench import results as bench_report
+from dpkit.data import lm as lm_data
 from dpkit.errors import UsageError
+from dpkit.memory.analytic import model_state_bytes
 from tests.harness import run
 
 NPROC = 2
@@ -31,7 +34,7 @@ TINY_BENCH = [
 
 def _args(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -39,13 +42,13 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_settings_defaults_on_cpu():
-    settings = bench.resolve_settings(_args(), gpu_count=0)
+    settings = bench_cli.resolve_settings(_args(), gpu_count=0)
     assert settings["nproc"] == 2
     assert settings["size"] == "small"
     assert settings["strategies"] == ["ddp", "zero1", "zero2"]
     assert settings["total_steps"] == settings["warmup_steps"] + settings["timed_steps"]
     assert settings["threads_per_process"] >= 1
-    assert bench.resolve_settings(_args("--nproc", "4"), gpu_count=0)["nproc"] == 4
+    assert bench_cli.resolve_settings(_args("--nproc", "4"), gpu_count=0)["nproc"] == 4
 
 
 @pytest.mark.parametrize(
@@ -65,11 +68,11 @@ def test_settings_defaults_on_cpu():
 )
 def test_bad_settings_are_refused_before_launching(argv, message):
     with pytest.raises(UsageError, match=message):
-        bench.resolve_settings(_args(*argv), gpu_count=0)
+        bench_cli.resolve_settings(_args(*argv), gpu_count=0)
 
 
 def test_zero_overrides_parse_json_values():
-    settings = bench.resolve_settings(
+    settings = bench_cli.resolve_settings(
         _args("--zero-override", "overlap_comm=true", "--zero-override", "reduce_bucket_size=5e8"),
         gpu_count=0,
     )
@@ -97,8 +100,8 @@ def test_byte_tokens_need_a_vocabulary_of_256(tmp_path):
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "vocab_size": 100, "n_embd": 32}))
     with pytest.raises(UsageError, match="byte tokens"):
-        lm_data.model_config(lm_data.LMWorkload(model_config=str(config)))
-    lm_data.model_config(lm_data.LMWorkload(model_config=str(config), synthetic=True))
+        lm_data.lm_config(lm_data.LMWorkload(model_config=str(config)))
+    lm_data.lm_config(lm_data.LMWorkload(model_config=str(config), synthetic=True))
 
 
 def test_a_failed_launch_stops_the_bench_with_its_output(tmp_path):
@@ -117,7 +120,7 @@ def test_a_failed_launch_stops_the_bench_with_its_output(tmp_path):
 
 
 def test_gradients_are_bucketed_as_they_arrive():
-    from recipes.bench_collectives import greedy_buckets
+    from dpkit.bench.collectives import greedy_buckets
 
     # A gradient that would overflow the bucket sends it first; one larger than the
     # bucket goes alone; a smaller first bucket (DDP's) closes early.
@@ -185,8 +188,7 @@ def test_tiny_bench_results_are_consistent(tmp_path):
         assert row["predicted_model_states"] == pytest.approx(predicted)
         assert row["saved_vs_ddp_predicted"] == pytest.approx(ddp_predicted - predicted)
         assert row["dpkit_over_bare_step_time"] == pytest.approx(
-            runs[name]["median_step_time_s"]
-            / runs[bench_report.BARE_OF[name]]["median_step_time_s"]
+            runs[name]["median_step_time_s"] / runs[bench.bare_run_name(name)]["median_step_time_s"]
         )
         assert math.isfinite(row["loss_max_rel_dev_vs_ddp"])
         # The bare twin trains the same model on the same batches.

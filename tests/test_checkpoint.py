@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from dpkit import checkpoint
 from dpkit.errors import UsageError
+from dpkit.train import checkpoint
 from tests.harness import REPO, accelerate_cmd, python_cmd, run, run_captured
 
 pytestmark = pytest.mark.multiprocess
@@ -165,7 +165,7 @@ def test_exported_model_loads_without_deepspeed_and_scores_the_same(reference):
     script = f"""
 import sys, torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
-from dpkit.data import load_classification_splits
+from dpkit.data.classification import load_classification_splits
 model_dir = {str(ref.output_dir / "model")!r}
 model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
 tokenizer = AutoTokenizer.from_pretrained(model_dir)

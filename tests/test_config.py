@@ -4,8 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from dpkit.config import DataConfig, ModelConfig, StrategyConfig, TrainConfig, parse_finetune_args
 from dpkit.errors import UsageError
+from dpkit.train.config import StrategyConfig
+from dpkit.train.finetune_config import (
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    parse_finetune_args,
+)
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dpkit.data import load_classification_splits, rotten_tomatoes_csv
+from dpkit.data.classification import load_classification_splits
+from dpkit.data.embedded import rotten_tomatoes_csv
 from dpkit.errors import UsageError
 
 SPLIT = dict(

@@ -110,7 +110,7 @@ def test_launch_form_runs_what_it_says(launched, name):
             == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world_size
         )
         assert "auto" not in str(ds)
-        # Memory settings sized to the model (dpkit.memory_settings): MiniLM's hidden^2
+        # Memory settings sized to the model (dpkit.memory.settings): MiniLM's hidden^2
         # (147,456) is under the floor of 2^21 elements.
         assert ds["zero_optimization"]["reduce_bucket_size"] == 2**21
         assert isinstance(ds["zero_optimization"]["contiguous_gradients"], bool)

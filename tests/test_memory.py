@@ -18,10 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpkit import memory, memory_settings
-from dpkit.analytic import full_replication_bytes, model_state_bytes
-from dpkit.memory_report import MemoryReport, error_pct
-from dpkit.memory_walk import Ledger, straddling_params, walk
+from dpkit import memory
+from dpkit.memory import settings as memory_settings
+from dpkit.memory.analytic import full_replication_bytes, model_state_bytes
+from dpkit.memory.report import MemoryReport, error_pct
+from dpkit.memory.tracker import MemoryTracker, count_params
+from dpkit.memory.walk import Ledger, straddling_params, walk
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = SimpleNamespace(process_index=0, device=torch.device("cpu"))
@@ -70,7 +72,7 @@ def test_tied_weights_counted_once_in_params_and_count_params():
     unique = {id(p): p for p in model.parameters()}.values()
     snap = walk(model, None)
     assert snap["params"] == _nbytes(unique)
-    assert memory.count_params(model) == sum(p.numel() for p in unique)
+    assert count_params(model) == sum(p.numel() for p in unique)
     assert snap["holders"]["buffers"]["module_buffers"] == 8 * 8  # int64 positions
 
 
@@ -93,7 +95,8 @@ def test_without_probes_released_gradients_are_not_seen_and_the_report_says_so()
     model = TiedModel()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _train_step(model, opt, zero_grad=True)
-    report = memory.collect_report(CPU, model, opt, strategy="ddp", precision="fp32")
+    tracker = MemoryTracker(CPU, model, opt, strategy="ddp", precision="fp32", probe_steps=0)
+    report = tracker.report()
     assert report.ranks[0]["grads"] == 0.0
     assert report.ranks[0]["measured_at"] == "now (no probes)"
     assert any("no step probes" in note for note in report.notes)
@@ -102,11 +105,11 @@ def test_without_probes_released_gradients_are_not_seen_and_the_report_says_so()
 def test_probes_keep_the_gradient_high_water_and_count_activations():
     model = TiedModel()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    probes = memory.track(model, opt)
-    assert memory.track(model, opt) is probes, "track is idempotent"
+    tracker = MemoryTracker(CPU, model, opt, strategy="ddp", precision="fp32")
+    probes = tracker.probes
     try:
         _train_step(model, opt, zero_grad=True)
-        row = memory.measure_rank(CPU, model, opt)
+        row = tracker.measure()
         param_bytes = _nbytes(model.parameters())
         assert row["grads"] == param_bytes
         assert row["high_water_points"]["grads"] == "optimizer_step_begin"
@@ -119,12 +122,13 @@ def test_probes_keep_the_gradient_high_water_and_count_activations():
             model(torch.randint(0, 50, (64, 8)))  # saves nothing for backward
         assert probes.activations.high_water == before
     finally:
-        memory.untrack(opt)
-    assert not hasattr(opt, "_dpkit_memory_probes")
+        tracker.stop()
+    # Stopping removes every hook: the optimizer steps without them.
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
 
 
 def test_peak_is_a_named_process_figure_on_cpu_never_a_silent_zero():
-    memory.reset_peak(CPU)
+    memory.reset_peak(CPU.device)
     peak = memory.peak_figures(torch.device("cpu"))
     assert peak["headline"] == "rss_high_water"
     assert peak["rss_high_water"] > 0
@@ -234,9 +238,12 @@ _WORLD_OF_ONE = textwrap.dedent(
     import json, os, sys, torch
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
-    from dpkit import memory
+    from dpkit.memory import MemoryTracker
 
-    strategy, bucket_view = sys.argv[1], sys.argv[2] == "1"
+    strategy, bucket_view, missing = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+    if missing:  # what a DeepSpeed without this method looks like to the probes
+        from dpkit.memory import probes
+        probes.ZERO_PROBE_POINTS = (*probes.ZERO_PROBE_POINTS, (missing, "renamed", 1))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     handlers = [InitProcessGroupKwargs(backend="gloo")]
@@ -252,19 +259,21 @@ _WORLD_OF_ONE = textwrap.dedent(
     acc = Accelerator(cpu=plugin is None, kwargs_handlers=handlers, deepspeed_plugin=plugin)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, opt = acc.prepare(model, opt)
-    memory.track(model, opt)
+    tracker = MemoryTracker(acc, model, opt, strategy=strategy, precision="fp32")
     for _ in range(2):
         loss = model(torch.randn(4, 64, device=acc.device)).pow(2).mean()
         acc.backward(loss)
         opt.step()
         opt.zero_grad()
-    report = memory.collect_report(acc, model, opt, strategy=strategy, precision="fp32")
+    report = tracker.report()
     print("REPORT" + json.dumps(report.to_dict()))
     """
 )
 
 
-def _world_of_one(tmp_path: Path, strategy: str, bucket_view: bool = True) -> dict:
+def _world_of_one(
+    tmp_path: Path, strategy: str, bucket_view: bool = True, missing_method: str = ""
+) -> dict:
     script = tmp_path / "world_of_one.py"
     script.write_text(_WORLD_OF_ONE)
     with __import__("socket").socket() as s:
@@ -276,7 +285,7 @@ def _world_of_one(tmp_path: Path, strategy: str, bucket_view: bool = True) -> di
     )
     env["PYTHONPATH"] = f"{REPO}{os.pathsep}{env.get('PYTHONPATH', '')}"
     proc = subprocess.run(
-        [sys.executable, str(script), strategy, "1" if bucket_view else "0"],
+        [sys.executable, str(script), strategy, "1" if bucket_view else "0", missing_method],
         capture_output=True,
         text=True,
         timeout=300,
@@ -285,7 +294,7 @@ def _world_of_one(tmp_path: Path, strategy: str, bucket_view: bool = True) -> di
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stdout.splitlines() if x.startswith("REPORT"))
-    return json.loads(line[len("REPORT") :])
+    return {**json.loads(line[len("REPORT") :]), "stderr": proc.stderr}
 
 
 PARAM_BYTES = 4.0 * (64 * 256 + 256 + 256 * 4 + 4)
@@ -327,8 +336,26 @@ def test_deepspeed_world_of_one_finds_zero_partitions(tmp_path, strategy):
         assert abs(data["error_pct"][category]) < 0.1
 
 
+def test_a_deepspeed_without_a_probed_method_marks_gradients_unmeasured(tmp_path):
+    """The probes patch DeepSpeed internals by name; under a DeepSpeed that lacks one (another
+    version), the run says so in one line and the report marks gradients unmeasured instead
+    of reporting a gradient figure that missed a high-water."""
+    data = _world_of_one(tmp_path, "zero2", missing_method="reduce_grads_of_another_version")
+    assert data["grads_measured"] is False
+    assert data["error_pct"]["grads"] is None and data["error_pct"]["total"] is None
+    assert "grads" not in [r["category"] for r in data["residuals"]]
+    notes = [n for n in data["notes"] if "reduce_grads_of_another_version" in n]
+    assert len(notes) == 1 and "unmeasured" in notes[0]
+    warnings = [x for x in data["stderr"].splitlines() if "reduce_grads_of_another_version" in x]
+    assert len(warnings) == 1 and "unmeasured" in warnings[0]
+    table = MemoryReport.from_dict(data).format_table()
+    assert "unmeasured" in table.splitlines()[2]  # rank 0's grads cell
+    # Everything else is measured as usual.
+    assert data["ranks"][0]["master"] == pytest.approx(PARAM_BYTES, rel=1e-3)
+
+
 def test_current_summary_names_the_process_figure_on_cpu():
-    text = memory.current_summary(CPU)
+    text = memory.current_summary(CPU.device)
     assert "rss high-water" in text and "GiB" in text
 
 
@@ -396,17 +423,16 @@ def test_cuda_peak_figures_and_counted_tensors_fit_in_the_allocator_peak():
     accelerator = SimpleNamespace(process_index=0, device=device)
     model = TiedModel(vocab=5000, dim=256).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    memory.track(model, opt)
-    memory.reset_peak(accelerator)
+    tracker = MemoryTracker(accelerator, model, opt, strategy="ddp", precision="fp32")
     try:
         for _ in range(2):
             loss = model(torch.randint(0, 5000, (16, 64), device=device)).float().pow(2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        row = memory.measure_rank(accelerator, model, opt)
+        row = tracker.measure()
     finally:
-        memory.untrack(opt)
+        tracker.stop()
     peak = row["peak"]
     assert peak["headline"] == "max_allocated"
     assert 0 < peak["max_allocated"] <= peak["max_reserved"] <= peak["device_capacity"]
@@ -417,4 +443,4 @@ def test_cuda_peak_figures_and_counted_tensors_fit_in_the_allocator_peak():
     # Everything counted at one moment was allocated at once: it fits under the peak.
     assert row["largest_moment"]["total"] <= peak["max_allocated"]
     assert row["activations"] > 0
-    assert "GiB" in memory.current_summary(accelerator)
+    assert "GiB" in memory.current_summary(device)

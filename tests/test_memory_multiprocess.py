@@ -3,7 +3,7 @@
 What ZeRO promises, checked on the measured bytes of every rank (MiniLM, fp32, AdamW):
 optimizer state is DDP's divided by N (within 1%) at both stages; ZeRO-2 keeps a
 gradient partition of DDP's divided by N (within 1%); model-state totals are
-within 5% of :func:`dpkit.analytic.model_state_bytes`, or the excess is named in
+within 5% of :func:`dpkit.memory.analytic.model_state_bytes`, or the excess is named in
 the report (by the buffers that hold it) and bounded here.
 
 The bound, from DeepSpeed's code (stage_1_and_2.py) and the measurements: beyond
@@ -14,7 +14,7 @@ gradient of one parameter larger than the bucket, still unreduced when backward
 ends, and (c) the flat copy of its partition that ZeRO's step makes while the
 gradients it copies are alive (Psi/N). So excess <= Psi/N + 3 x largest parameter.
 
-``dpkit plan`` predicts those excesses from the parameter layout (dpkit.zero_layout):
+``dpkit plan`` predicts those excesses from the parameter layout (dpkit.memory.zero_layout):
 its figures for the same runs (``dpkit plan --against RUN_DIR``) must match the
 measured worst rank per category, and the model-state total within 10%.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import pytest
 
-from dpkit import plan_check
-from dpkit.analytic import model_state_bytes
-from dpkit.memory_report import PARTITION_SHARE, MemoryReport, gradient_partition_bytes
+from dpkit.memory.analytic import model_state_bytes
+from dpkit.memory.report import PARTITION_SHARE, MemoryReport, gradient_partition_bytes
+from dpkit.plan import check as plan_check
 from tests.harness import BIN, REPO, accelerate_cmd, deepspeed_cmd, free_port, run, run_captured
 
 pytestmark = pytest.mark.multiprocess

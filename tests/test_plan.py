@@ -14,9 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from dpkit import activations, plan, plan_inputs
-from dpkit.analytic import model_state_bytes
+from dpkit import models
 from dpkit.errors import UsageError
+from dpkit.memory.analytic import model_state_bytes
+from dpkit.plan import activations
+from dpkit.plan import estimate as plan
+from dpkit.plan import inputs as plan_inputs
+from dpkit.plan.recommend import make_plan
+from dpkit.strategy import STRATEGIES
 
 GIB = 2**30
 # Parameter counts of the bundled configs, as published for the Hugging Face
@@ -38,9 +43,9 @@ def specs() -> dict[str, plan_inputs.ModelSpec]:
     return {name: plan_inputs.load_model(name) for name in PUBLISHED_PARAMS}
 
 
-def inputs_for(spec: plan_inputs.ModelSpec, **overrides) -> plan.PlanInputs:
+def inputs_for(spec: plan_inputs.ModelSpec, **overrides) -> plan_inputs.PlanInputs:
     settings = {"seq_len": min(spec.max_positions or 1024, 1024)} | overrides
-    return plan.PlanInputs(model=spec, **settings)
+    return plan_inputs.PlanInputs(model=spec, **settings)
 
 
 # --- model states: the ZeRO paper, section 5 -----------------------------------------------
@@ -117,7 +122,7 @@ def _ds_estimators():
 def test_zero2_matches_deepspeed_estimator(psi, gpus_per_node):
     """DeepSpeed: gpu = 2P + 18P/N, "2 = params_16bit, 18 = 2_grads_16bit +
     4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit". The 4-byte fp32
-    gradient partition is not a model state in dpkit.analytic: the planner
+    gradient partition is not a model state in dpkit.memory.analytic: the planner
     counts it as a step temporary. Together they are DeepSpeed's figure.
     DeepSpeed's estimate leaves out torch AdamW's foreach temporary, so that
     term is excluded here."""
@@ -147,7 +152,7 @@ def test_zero2_offload_matches_deepspeed_estimator(psi, gpus_per_node, specs):
     states = model_state_bytes(psi, "zero2_offload", n, "bf16", "cpu_adam")
     assert states.params == ds_gpu
     spec = plan_inputs.ModelSpec(name=str(psi), source="count", num_params=psi)
-    inputs = plan.PlanInputs(model=spec, gpus_per_node=n, seq_len=1024)
+    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=n, seq_len=1024)
     row = plan.estimate(inputs, "zero2_offload", 1, None, plan.buffer_settings(spec))
     assert n * row.host_offload == ds_cpu
 
@@ -157,13 +162,13 @@ def test_zero2_offload_matches_deepspeed_estimator(psi, gpus_per_node, specs):
 def test_zero3_matches_deepspeed_estimator(model, gpus_per_node, specs):
     """DeepSpeed ZeRO-3: gpu = 4 * largest_layer + 18P/N. Its 18 has 2 (16-bit
     params) + 4 (fp32 grads) + 4 (master) + 8 (Adam) and no 16-bit gradient
-    partition, which dpkit.analytic counts (2P/N): compared without it. The
+    partition, which dpkit.memory.analytic counts (2P/N): compared without it. The
     largest layer is DeepSpeed's own measure of the model (model_to_params)."""
     from deepspeed.runtime.zero.stage3 import model_to_params
 
     _, estimate_zero3 = _ds_estimators()
     spec, n = specs[model], gpus_per_node
-    meta_model = plan_inputs.build_meta_model(spec.config)
+    meta_model = models.build_meta_model(spec.config)
     assert model_to_params(meta_model)[1] == spec.largest_layer_params
     _, ds_gpu, ds_largest_layer = estimate_zero3(
         spec.num_params, spec.largest_layer_params, n, 1, cpu_offload=False
@@ -334,7 +339,7 @@ def test_formula_is_the_fallback_when_the_trace_fails(specs, monkeypatch):
 
 def test_bare_parameter_count_has_no_activations():
     spec = plan_inputs.ModelSpec(name="1.5B", source="count", num_params=1_500_000_000)
-    result = plan.make_plan(plan.PlanInputs(model=spec, gpu_memory=80 * GIB))
+    result = make_plan(plan_inputs.PlanInputs(model=spec, gpu_memory=80 * GIB))
     assert result.activations is None
     assert all(v is None for v in result.largest_micro_batches.values())
 
@@ -343,14 +348,14 @@ def test_bare_parameter_count_has_no_activations():
 
 
 def test_small_model_on_big_gpus_gets_ddp(specs):
-    result = plan.make_plan(inputs_for(specs["gpt2"]))
+    result = make_plan(inputs_for(specs["gpt2"]))
     assert result.recommended == "ddp"
     assert result.largest_micro_batches["ddp"] >= 8
 
 
 def test_15b_on_24gb_needs_zero(specs):
     inputs = inputs_for(specs["gpt2-xl"], gpu_memory=plan_inputs.parse_memory("24GB"))
-    result = plan.make_plan(inputs)
+    result = make_plan(inputs)
     assert result.row("ddp").total > inputs.usable  # 16 bytes/param alone is 23.2 GiB
     assert result.recommended in ("zero1", "zero2")
     assert result.row(result.recommended).total <= inputs.usable
@@ -358,7 +363,7 @@ def test_15b_on_24gb_needs_zero(specs):
 
 
 def test_7b_on_80gb_skips_ddp(specs):
-    result = plan.make_plan(inputs_for(specs["llama-7b"]))
+    result = make_plan(inputs_for(specs["llama-7b"]))
     assert result.recommended != "ddp"
     assert result.row("ddp").model_states == 16 * PUBLISHED_PARAMS["llama-7b"]
 
@@ -367,16 +372,16 @@ def test_recommendation_is_the_first_fitting_strategy(specs):
     for memory in ("16GB", "24GB", "40GB", "80GiB"):
         inputs = inputs_for(specs["gpt2-large"], gpu_memory=plan_inputs.parse_memory(memory))
         try:
-            result = plan.make_plan(inputs)
+            result = make_plan(inputs)
         except UsageError:
             continue
         fitting = [r.strategy for r in result.rows if result.fits(r)]
-        assert [r.strategy for r in result.rows] == list(plan.RECOMMENDATION_ORDER)
+        assert [r.strategy for r in result.rows] == list(STRATEGIES)
         assert result.recommended == fitting[0]
 
 
 def test_cpu_adam_only_runs_offloaded(specs):
-    result = plan.make_plan(inputs_for(specs["gpt2"], optimizer="cpu_adam"))
+    result = make_plan(inputs_for(specs["gpt2"], optimizer="cpu_adam"))
     assert result.recommended == "zero2_offload"
     assert [r.strategy for r in result.rows if r.applicable] == ["zero2_offload"]
     assert "cpu_adam" in result.reason
@@ -384,7 +389,7 @@ def test_cpu_adam_only_runs_offloaded(specs):
 
 def test_largest_micro_batch_is_the_boundary(specs):
     inputs = inputs_for(specs["gpt2-medium"], gpu_memory=plan_inputs.parse_memory("24GB"))
-    result = plan.make_plan(inputs)
+    result = make_plan(inputs)
     for strategy in ("ddp", "zero1", "zero2"):
         largest = result.largest_micro_batches[strategy]
         assert largest >= 1
@@ -398,7 +403,7 @@ def test_largest_micro_batch_grows_with_memory_sharding_and_checkpointing(specs)
 
     def largest(strategy, memory="40GB", **overrides):
         inputs = inputs_for(spec, gpu_memory=plan_inputs.parse_memory(memory), **overrides)
-        return plan.make_plan(inputs).largest_micro_batches[strategy]
+        return make_plan(inputs).largest_micro_batches[strategy]
 
     by_memory = [largest("zero2", m) for m in ("16GB", "24GB", "40GB", "80GiB")]
     assert by_memory == sorted(by_memory) and by_memory[0] < by_memory[-1]
@@ -467,7 +472,7 @@ def test_cli_table_names_every_strategy_and_the_recommendation():
     result = run_plan("--model", "gpt2")
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
-    for label in plan.STRATEGY_LABELS.values():
+    for label in (s.label for s in STRATEGIES.values()):
         assert label in result.stdout
     assert "recommended: DDP" in result.stdout
     assert "not counted:" in result.stdout
@@ -479,7 +484,7 @@ def test_cli_json(specs):
     data = json.loads(result.stdout)
     assert data["model"]["num_params"] == PUBLISHED_PARAMS["gpt2-xl"]
     assert data["inputs"]["gpu_memory_bytes"] == 24 * 10**9
-    assert [row["strategy"] for row in data["strategies"]] == list(plan.RECOMMENDATION_ORDER)
+    assert [row["strategy"] for row in data["strategies"]] == list(STRATEGIES)
     usable = data["inputs"]["usable_bytes"]
     for row in data["strategies"]:
         figures = row["bytes_per_gpu"]

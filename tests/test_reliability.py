@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dpkit import checkpoint
+from dpkit.train import checkpoint
 from tests.harness import REPO, accelerate_cmd, launch_env, run
 
 pytestmark = pytest.mark.multiprocess

@@ -7,16 +7,14 @@ import json
 import pytest
 
 from dpkit.errors import UsageError
-from dpkit.strategy import (
-    DS_CONFIG_DIR,
-    fill_deepspeed_config,
-    resolve_precision,
-    resolve_strategy,
-    scaled_learning_rate,
-)
+from dpkit.memory.settings import zero_memory_settings
+from dpkit.train.deepspeed_config import fill_deepspeed_config
+from dpkit.train.launch import resolve_precision, resolve_strategy
+from dpkit.train.resolve import scaled_learning_rate
+from tests.harness import REPO
 
-ZERO1 = str(DS_CONFIG_DIR / "zero1.json")
-ZERO2 = str(DS_CONFIG_DIR / "zero2.json")
+ZERO1 = str(REPO / "ds_configs" / "zero1.json")
+ZERO2 = str(REPO / "ds_configs" / "zero2.json")
 ACCELERATE_DS = {
     "ACCELERATE_USE_DEEPSPEED": "true",
     "ACCELERATE_DYNAMO_BACKEND": "NO",
@@ -61,7 +59,7 @@ def test_zero_configs_differ_only_in_the_stage():
 )
 def test_strategy_comes_from_flag_or_launcher(flag, deepspeed, env, expected):
     choice = resolve_strategy(flag, deepspeed, env)
-    assert choice.name == expected
+    assert choice.strategy.name == expected
     assert choice.expected_world_size == int(env.get("WORLD_SIZE", "1"))
     assert (choice.ds_template is not None) == (expected != "ddp")
 
@@ -125,12 +123,15 @@ def _fill(template, **overrides):
         world_size=2,
         max_grad_norm=1.0,
         precision="no",
-        hidden_size=384,
         learning_rate=1e-4,
         weight_decay=0.01,
     )
     kwargs.update(overrides)
-    return fill_deepspeed_config(template, **kwargs)
+    # MiniLM's sizes: 22.7M parameters, hidden 384, an 11.7M-element word embedding.
+    zero_settings = zero_memory_settings(
+        22_713_986, 384, world_size=kwargs["world_size"], stage=2, largest_param_numel=11_720_448
+    )
+    return fill_deepspeed_config(template, zero_settings=zero_settings, **kwargs)
 
 
 @pytest.mark.parametrize("path", [ZERO1, ZERO2])
@@ -144,7 +145,7 @@ def test_auto_values_filled_and_batch_identity_holds(path, micro, accum, world):
     assert config["train_micro_batch_size_per_gpu"] == micro
     assert config["gradient_accumulation_steps"] == accum
     assert config["gradient_clipping"] == 1.0
-    # MiniLM's hidden^2 is under the floor of dpkit.memory_settings.bucket_elements.
+    # MiniLM's hidden^2 is under the floor of dpkit.memory.settings.bucket_elements.
     assert config["zero_optimization"]["reduce_bucket_size"] == 2**21
     assert config["bf16"] == {"enabled": False} and config["fp16"] == {"enabled": False}
     assert all(value != "auto" for _, value in _leaves(config))

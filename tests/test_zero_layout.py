@@ -1,4 +1,4 @@
-"""DeepSpeed's ZeRO-1/2 gradient layout (dpkit.zero_layout), on layouts worked by hand.
+"""DeepSpeed's ZeRO-1/2 gradient layout (dpkit.memory.zero_layout), on layouts worked by hand.
 
 The real-run check (plan against measurement, every category) is in
 tests/test_memory_multiprocess.py; these pin the arithmetic it rests on.
@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from dpkit.zero_layout import gradient_high_water, partition_group, stage1_contiguous_reduction
+from dpkit.memory.zero_layout import (
+    gradient_high_water,
+    partition_group,
+    stage1_contiguous_reduction,
+)
 
 MIB = 2**20
 
@@ -146,7 +150,7 @@ def test_only_stages_1_and_2_are_laid_out(stage):
 
 def test_gpt2_on_8_gpus_holds_several_times_the_papers_gradient_share():
     """GPT-2's tied word embedding is 31% of the model: 2.5 partitions at N=8."""
-    from dpkit.plan_inputs import load_model
+    from dpkit.plan.inputs import load_model
 
     spec = load_model("gpt2")
     ranks = gradient_high_water(

@@ -1,0 +1,86 @@
+"""Bare baseline: the LM workload as a plain torch DDP loop, no accelerate, no dpkit strategy.
+
+    torchrun --nproc_per_node 2 -m dpkit.bench.bare_ddp --size small --output-dir runs/bare_ddp
+
+Same model, data, batch order, seed and optimizer as ``recipes/train_lm.py``
+(both take them from :mod:`dpkit.data.lm`); everything else is what torch does
+by default: DDP's own bucket size, no ``gradient_as_bucket_view``. ``dpkit bench``
+divides dpkit's step time by this one's to show dpkit's overhead.
+Writes train_log.jsonl in train_lm.py's format.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from dpkit.data import lm as lm_data
+from dpkit.models import adamw_param_groups
+from dpkit.train import guards
+from dpkit.train.config import parse_args
+
+
+def main() -> None:
+    (workload,) = parse_args(lm_data.LMWorkload)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device(f"cuda:{local_rank}" if backend == "nccl" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    out = Path(workload.output_dir)
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "train_log.jsonl").unlink(missing_ok=True)
+
+    config = lm_data.lm_config(workload)
+    dataset = lm_data.token_blocks(workload, config.vocab_size)
+    lm_data.check_enough_blocks(dataset, workload, world_size)
+    model = lm_data.build_lm(config, workload.seed).to(device)
+    model = DistributedDataParallel(
+        model, device_ids=[local_rank] if device.type == "cuda" else None
+    )
+    optimizer = torch.optim.AdamW(
+        adamw_param_groups(model, workload.weight_decay), lr=workload.learning_rate
+    )
+
+    tokens_per_rank = workload.micro_batch_size * workload.seq_len
+    batches = lm_data.rank_batches(dataset, workload.micro_batch_size, rank, world_size)
+    model.train()
+    last, last_cpu = time.perf_counter(), time.process_time()
+    for step in range(1, workload.max_steps + 1):
+        batch = {k: v.to(device) for k, v in next(batches).items()}
+        loss = model(**batch).loss
+        loss.backward()
+        if workload.max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), workload.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss)
+        mean_loss = mean_loss.item() / world_size
+        now, now_cpu = time.perf_counter(), time.process_time()
+        if rank == 0:
+            lm_data.log_bare_step(
+                out,
+                step=step,
+                mean_loss=mean_loss,
+                workload=workload,
+                tokens_per_rank=tokens_per_rank,
+                step_time_s=now - last,
+                step_cpu_s=now_cpu - last_cpu,
+            )
+        last, last_cpu = time.perf_counter(), time.process_time()
+    # A barrier before the teardown: see bare_deepspeed.py.
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    guards.run_and_exit(main)

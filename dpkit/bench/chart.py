@@ -1,0 +1,90 @@
+"""The chart of ``dpkit bench``: per-rank memory by category with the prediction, and throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dpkit.bench.launch import bare_run_name
+from dpkit.bench.markdown import MIB
+from dpkit.bench.results import REFERENCE, result_strategies
+from dpkit.memory.categories import CATEGORIES
+
+
+def write_chart(results: dict[str, Any], path: Path) -> None:
+    """Left: per-rank memory stacked by category, the paper's and dpkit plan's predictions
+    marked. Right: tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    strategies = result_strategies(results)
+    names = [s.name for s in strategies]
+    runs, comparison = results["runs"], results["comparison"]
+    labels = [s.label for s in strategies]
+    colors = {
+        "params": "#4c72b0",
+        "grads": "#dd8452",
+        "optimizer": "#55a868",
+        "master": "#c44e52",
+        "buffers": "#8172b3",
+    }
+    fig, (mem_ax, speed_ax) = plt.subplots(1, 2, figsize=(12, 5))
+    positions = list(range(len(names)))
+    bottoms = [0.0] * len(names)
+    for category in CATEGORIES:
+        heights = [runs[n]["memory"]["per_rank"][category] / MIB for n in names]
+        mem_ax.bar(positions, heights, 0.6, bottom=bottoms, label=category, color=colors[category])
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    predicted = [comparison[n]["predicted_model_states"] / MIB for n in names]
+    for x, value in zip(positions, predicted, strict=True):
+        mem_ax.hlines(
+            value, x - 0.38, x + 0.38, colors="black", linewidths=2.5, zorder=3,
+            label="model states, ZeRO paper" if x == 0 else None,
+        )  # fmt: skip
+    planned = [comparison[n]["plan_model_states"] / MIB for n in names]
+    for x, value in zip(positions, planned, strict=True):
+        mem_ax.hlines(
+            value, x - 0.38, x + 0.38, colors="black", linewidths=1.5, linestyles=":",
+            zorder=3, label="model states, dpkit plan" if x == 0 else None,
+        )  # fmt: skip
+    if REFERENCE.name in runs:
+        mem_ax.axhline(
+            runs[REFERENCE.name]["memory"]["per_rank"]["total"] / MIB, color="grey", linestyle="--",
+            linewidth=1, label=f"{REFERENCE.label} measured (full replica)",
+        )  # fmt: skip
+    for x, total in zip(positions, bottoms, strict=True):
+        mem_ax.annotate(f"{total:,.0f}", (x, total), ha="center", va="bottom", fontsize=9)
+    mem_ax.set_xticks(positions, labels)
+    mem_ax.set_ylabel("MiB per rank (rank holding the most)")
+    mem_ax.set_title(
+        f"Memory per rank: {results['settings']['nproc']} ranks, "
+        f"{results['num_params'] / 1e6:.1f}M params, {results['precision']}"
+    )
+    mem_ax.set_ylim(0, max(max(bottoms), max(predicted)) * 1.45)
+    mem_ax.legend(fontsize=8, loc="upper center", ncol=3)
+
+    width = 0.38
+    series = [("dpkit", [runs[n] for n in names], "#4c72b0", -width / 2)]
+    bare = [runs.get(bare_run_name(s)) for s in strategies]
+    if all(b is not None for b in bare):
+        series.append(("bare (torchrun / deepspeed)", bare, "#aaaaaa", width / 2))
+    top = 0.0
+    for label, series_runs, color, offset in series:
+        rates = [r["tokens_per_s"] for r in series_runs]
+        xs = [x + offset for x in positions]
+        speed_ax.bar(xs, rates, width, label=label, color=color)
+        for x, rate in zip(xs, rates, strict=True):
+            speed_ax.annotate(f"{rate:,.0f}", (x, rate), ha="center", va="bottom", fontsize=9)
+        top = max(top, *rates)
+    speed_ax.set_xticks(positions, labels)
+    speed_ax.set_ylabel(f"tokens/s, all {results['settings']['nproc']} ranks (median step)")
+    speed_ax.set_title(
+        f"Throughput ({results['machine']['cpu_model'] if not results['machine']['gpus'] else results['machine']['gpus'][0]})"
+    )
+    speed_ax.set_ylim(0, top * 1.25)
+    speed_ax.legend(fontsize=8, loc="upper center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,228 @@
+"""``dpkit bench``: DDP, ZeRO-1 and ZeRO-2 side by side, each through a real launcher.
+
+    dpkit bench                                   # CPU: 2 processes, ~23M-param GPT-2 shape
+    dpkit bench --nproc 4 --synthetic --output-dir bench_results/cpu4
+    dpkit bench --size gpt2-medium --strategies zero1,zero2   # GPUs: all of them by default
+    dpkit bench --zero-override overlap_comm=true --zero-override reduce_bucket_size=5e8
+
+Runs, one after another at N processes, dpkit's recipe for each strategy and its
+bare twin, then the collectives phase (:mod:`dpkit.bench.launch`); reads each run's
+own files and compares them (:mod:`dpkit.bench.results`); writes ``results.json``
+(every raw number, the machine, the versions), ``results.md`` (the tables, also
+printed; :mod:`dpkit.bench.markdown`) and ``chart.png`` (:mod:`dpkit.bench.chart`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from dpkit.bench.launch import DEFAULT_LAUNCH_TIMEOUT_S
+from dpkit.errors import UsageError
+from dpkit.strategy import RUNNABLE
+
+# Not 4: on the 2-core CPU machine the default bench at 4 processes took 13.7 min
+# (docs/bench-cpu-4proc.md, a shared machine) against 2.2 at 2 (docs/bench-cpu-2proc.md),
+# and 4 ranks on 2 cores make the step times swing (3.9-7.0 s within one run).
+DEFAULT_CPU_PROCS = 2
+OUTPUTS = ("results.json", "results.md", "chart.png")
+"""What a bench writes into its output folder (a stale one is removed first)."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``dpkit bench``."""
+    parser.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help=f"processes per run (default: all GPUs, or {DEFAULT_CPU_PROCS} on CPU)",
+    )
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
+        "--size",
+        default=None,
+        help="model shape: tiny, small, gpt2, gpt2-medium, gpt2-large "
+        "(default: small on CPU, gpt2 on GPUs)",
+    )
+    model.add_argument("--model-config", default=None, help="a transformers config.json instead")
+    parser.add_argument(
+        "--synthetic", action="store_true", help="random tokens instead of Shakespeare bytes"
+    )
+    parser.add_argument(
+        "--steps", type=int, default=10, help="timed optimizer steps after the warm-up"
+    )
+    parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    parser.add_argument(
+        "--micro-batch-size", type=int, default=None, help="sequences per process per step"
+    )
+    names = ",".join(s.name for s in RUNNABLE)
+    parser.add_argument("--strategies", default=names, help=f"comma-separated: {names}")
+    parser.add_argument("--no-bare", action="store_true", help="skip the bare baselines")
+    parser.add_argument(
+        "--zero-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="set zero_optimization.KEY in dpkit's ZeRO configs (JSON value), e.g. overlap_comm=true",
+    )
+    parser.add_argument(
+        "--threads-per-process",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS of every process (default: usable cores / nproc)",
+    )
+    parser.add_argument(
+        "--launch-timeout", type=int, default=DEFAULT_LAUNCH_TIMEOUT_S, help="seconds per launch"
+    )
+    parser.add_argument(
+        "--output-dir", default=None, help="results folder (default: bench_results/<timestamp>)"
+    )
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    overrides = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise UsageError(f"--zero-override={item!r}: expected KEY=VALUE")
+        try:
+            value = json.loads(raw)
+        except json.JSONDecodeError:
+            raise UsageError(
+                f"--zero-override={item!r}: VALUE must be JSON (true, 5e8, ...)"
+            ) from None
+        if key == "stage":
+            raise UsageError(
+                "--zero-override stage=...: the stage is the strategy; use --strategies"
+            )
+        # DeepSpeed wants integer sizes; 5e8 parses as a float.
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        overrides[key] = value
+    return overrides
+
+
+def _parse_strategies(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    runnable = [s.name for s in RUNNABLE]
+    if not names or set(names) - set(runnable) or len(set(names)) != len(names):
+        raise UsageError(f"--strategies={text!r}: a list of distinct {', '.join(runnable)}")
+    return names
+
+
+def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
+    """Defaults that depend on the machine, checked before anything is launched."""
+    from dpkit.bench.machine import usable_cores
+    from dpkit.data.lm import MODEL_SIZES
+
+    on_gpu = gpu_count > 0
+    nproc = args.nproc if args.nproc is not None else (gpu_count or DEFAULT_CPU_PROCS)
+    if nproc < 1:
+        raise UsageError(f"--nproc={nproc}: must be >= 1")
+    if on_gpu and nproc > gpu_count:
+        raise UsageError(f"--nproc={nproc}: this machine has {gpu_count} GPUs")
+    size = args.size or (None if args.model_config else ("gpt2" if on_gpu else "small"))
+    if size is not None and size not in MODEL_SIZES:
+        raise UsageError(f"--size={size!r}: one of {', '.join(MODEL_SIZES)}")
+    if args.model_config is not None and not Path(args.model_config).is_file():
+        raise UsageError(f"--model-config={args.model_config!r}: no such file")
+    strategies = _parse_strategies(args.strategies)
+    if args.steps < 1:
+        raise UsageError(f"--steps={args.steps}: must be >= 1")
+    # The memory probes walk the tensors during step 1; that step must not be timed.
+    if args.warmup < 1:
+        raise UsageError(f"--warmup={args.warmup}: must be >= 1 (step 1 holds the memory probes)")
+    threads = args.threads_per_process
+    if threads is None:
+        # The launchers disagree (accelerate and torchrun set 1 thread per process,
+        # deepspeed none, so torch takes every core): the bench sets it for all.
+        threads = max(1, usable_cores() // nproc)
+    if threads < 1:
+        raise UsageError(f"--threads-per-process={threads}: must be >= 1")
+    seq_len = args.seq_len if args.seq_len is not None else (1024 if on_gpu else 128)
+    micro_batch_size = (
+        args.micro_batch_size if args.micro_batch_size is not None else (8 if on_gpu else 4)
+    )
+    if seq_len < 1 or micro_batch_size < 1:
+        raise UsageError(f"--seq-len={seq_len} --micro-batch-size={micro_batch_size}: must be >= 1")
+    if size is not None and seq_len > MODEL_SIZES[size]["n_positions"]:
+        raise UsageError(
+            f"--seq-len={seq_len}: over {size}'s {MODEL_SIZES[size]['n_positions']} positions"
+        )
+    return {
+        "nproc": nproc,
+        "device": "cuda" if on_gpu else "cpu",
+        "size": size,
+        "model_config": args.model_config,
+        "synthetic": bool(args.synthetic),
+        "seq_len": seq_len,
+        "micro_batch_size": micro_batch_size,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "total_steps": args.warmup + args.steps,
+        "strategies": strategies,
+        "bare": not args.no_bare,
+        "zero_overrides": _parse_overrides(args.zero_override),
+        "threads_per_process": threads,
+        "launch_timeout_s": args.launch_timeout,
+    }
+
+
+def _output_dir(given: str | None) -> Path:
+    """The results folder, created, without a previous bench's results in it."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(given or f"bench_results/{stamp}").resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir={given!r}: exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in OUTPUTS:
+        (out / stale).unlink(missing_ok=True)
+    return out
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the bench; 0 when every launch succeeded, 1 when one failed."""
+    import torch
+
+    from dpkit.bench import chart, launch, markdown, results
+    from dpkit.bench.machine import machine_description
+
+    settings = resolve_settings(args, torch.cuda.device_count())
+    out = _output_dir(args.output_dir)
+    phases = launch.plan_phases(settings, out)
+    env = launch.launch_env(settings)
+    machine = machine_description(env)
+    command = "dpkit bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
+    on = machine["cpu_model"] if settings["device"] == "cpu" else ", ".join(machine["gpus"])
+    print(
+        f"dpkit bench: {len(phases)} launches at {settings['nproc']} processes on "
+        f"{settings['device']} ({on}), {settings['warmup_steps']} warm-up + "
+        f"{settings['timed_steps']} timed steps each -> {out}",
+        file=sys.stderr,
+        flush=True,
+    )
+    started = time.perf_counter()
+    walls = {}
+    try:
+        for index, phase in enumerate(phases, 1):
+            walls[phase.name] = launch.run_phase(phase, index, len(phases), settings, env)
+    except launch.BenchError as err:
+        print(f"dpkit bench: error: {err}", file=sys.stderr)
+        return 1
+    found = results.build_results(
+        phases, walls, settings, machine, command, time.perf_counter() - started
+    )
+    (out / "results.json").write_text(json.dumps(found, indent=2) + "\n")
+    table = markdown.format_markdown(found)
+    (out / "results.md").write_text(table + "\n")
+    chart.write_chart(found, out / "chart.png")
+    print(table)
+    print(f"\nresults: {', '.join(str(out / name) for name in OUTPUTS)}")
+    return 0

@@ -1,0 +1,258 @@
+"""``results.md`` of ``dpkit bench``: the tables and notes made from a results dict.
+
+Everything here reads only the dict :func:`dpkit.bench.results.build_results` returns
+(or a results.json read back), so a table can be remade without rerunning a bench.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpkit.bench.results import REFERENCE, max_relative_deviation, result_strategies
+from dpkit.memory.categories import MODEL_STATES
+from dpkit.strategy import get_strategy
+
+MIB = 1024.0**2
+COLLECTIVE_ROWS = (
+    ("ddp_allreduce", "allreduce, DDP's buckets issued together", "DDP, during backward"),
+    ("zero_reduce", "allreduce, ZeRO buckets one at a time", "ZeRO-1/2 gradient reduction"),
+    ("zero_allgather", "all-gather of the parameter partitions", "ZeRO-1/2, after the step"),
+)
+"""The collectives phase's patterns: key in collectives.json, what it is, who uses it."""
+
+
+def mib(value: float | None) -> str:
+    """Bytes as MiB with one decimal, ``-`` for none."""
+    return "-" if value is None else f"{value / MIB:,.1f}"
+
+
+def _saved(saved: float | None, ratio: float | None) -> str:
+    if saved is None or ratio is None:
+        return "-"
+    return f"{saved / MIB:,.1f} ({100 * (1 - ratio):.0f}%)"
+
+
+def _with_cpu(wall: float | None, cpu: float | None) -> str:
+    """A wall-time ratio, with the CPU-time ratio beside it when there is one."""
+    if wall is None:
+        return "-"
+    return f"{wall:.2f}x" + ("" if cpu is None else f" (CPU {cpu:.2f}x)")
+
+
+def _deviation(value: float | None, of_reference: bool) -> str:
+    """A loss deviation from the reference; ``-`` for the reference run itself."""
+    return "-" if value is None or of_reference else f"{value:.1e}"
+
+
+def _header(results: dict[str, Any]) -> list[str]:
+    settings, machine = results["settings"], results["machine"]
+    model = settings["model_config"] or settings["size"]
+    versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items() if v)
+    device = ", ".join(machine["gpus"]) if machine["gpus"] else f"{machine['cpu_model']} CPU"
+    load = ", ".join(f"{x:.1f}" for x in machine["load_average_at_start"] or [])
+    return [
+        f"# dpkit bench: {model} ({results['num_params'] / 1e6:.1f}M params), "
+        f"{settings['nproc']} processes",
+        "",
+        f"`{results['command']}`, {results['bench_wall_s'] / 60:.1f} min in all.",
+        f"Machine: {device}, {machine['cpu_cores_usable']} cores usable, load average "
+        f"{load} at start; OMP_NUM_THREADS={machine['omp_num_threads'] or 'unset'}. {versions}.",
+        f"Workload: {'synthetic tokens' if settings['synthetic'] else 'Shakespeare bytes'}, "
+        f"micro-batch {settings['micro_batch_size']} x {settings['seq_len']} tokens per rank, "
+        f"{results['precision']}, torch AdamW, {settings['warmup_steps']} warm-up + "
+        f"{settings['timed_steps']} timed steps (median).",
+    ]
+
+
+def _strategy_table(results: dict[str, Any]) -> list[str]:
+    """Memory per rank, savings, throughput and losses: one row per dpkit strategy."""
+    runs, comparison = results["runs"], results["comparison"]
+    first = runs[results["strategies"][0]]
+    lines = [
+        "",
+        "Memory per rank in MiB (the rank holding the most), measured by dpkit.memory; "
+        "states = params + grads + optimizer + master, the model states that paper and plan "
+        "predict; total adds the communication buffers. paper = the ZeRO paper's accounting "
+        "(dpkit.memory.analytic); plan = `dpkit plan` for this run, with gradients as "
+        "DeepSpeed's layout holds them (dpkit.memory.zero_layout).",
+        "",
+        "| strategy | params | grads | optimizer | master | states | buffers | total | paper "
+        f"| plan | peak ({first['memory']['peak_kind']}) | saved vs DDP, measured "
+        "| saved vs DDP, paper | tokens/s | vs DDP | dpkit/bare step | loss dev. vs DDP |",
+        "|---|" + "---:|" * 16,
+    ]
+    for strategy in result_strategies(results):
+        run, row = runs[strategy.name], comparison[strategy.name]
+        per_rank = run["memory"]["per_rank"]
+        cells = [
+            strategy.label,
+            *(mib(per_rank[c]) for c in MODEL_STATES),
+            mib(sum(per_rank[c] for c in MODEL_STATES)),
+            mib(per_rank["buffers"]),
+            mib(per_rank["total"]),
+            mib(row["predicted_model_states"]),
+            mib(row["plan_model_states"]),
+            mib(run["memory"]["peak_bytes"]),
+            _saved(row.get("saved_vs_ddp_measured"), row.get("ratio_vs_ddp_measured")),
+            _saved(row["saved_vs_ddp_predicted"], row["ratio_vs_ddp_predicted"]),
+            f"{run['tokens_per_s']:,.0f}",
+            _with_cpu(row.get("throughput_vs_ddp"), row.get("throughput_vs_ddp_cpu")),
+            _with_cpu(row.get("dpkit_over_bare_step_time"), row.get("dpkit_over_bare_step_cpu")),
+            _deviation(row.get("loss_max_rel_dev_vs_ddp"), strategy == REFERENCE),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _gradient_lines(results: dict[str, Any]) -> list[str]:
+    """Where a gradient-sharding strategy's gradient bytes go, against DDP/N."""
+    runs, nproc = results["runs"], results["settings"]["nproc"]
+    reference = runs.get(REFERENCE.name)
+    lines = []
+    for strategy in result_strategies(results):
+        if strategy.zero_stage != 2 or reference is None:
+            continue
+        memory, plan = runs[strategy.name]["memory"], runs[strategy.name]["plan"]
+        share = max((r["grads_partition"] or 0.0) for r in memory["ranks"])
+        lines += [
+            "",
+            f"{strategy.label} gradients: each rank's own partition is {mib(share)} MiB "
+            f"(DDP/{nproc} = {mib(reference['memory']['per_rank']['grads'] / nproc)}); the "
+            f"high-water is {mib(memory['per_rank']['grads'])} MiB, because DeepSpeed also "
+            "holds the whole gradient of every parameter touching the partition and the "
+            f"step's flat copy of it: dpkit plan predicts {mib(plan['predicted_bytes']['grads'])} "
+            f"MiB ({plan['grads_where']}).",
+        ]
+    return lines
+
+
+def _run_table(results: dict[str, Any]) -> list[str]:
+    """Every run, dpkit's and bare: step times, rates, loss deviation, wall time."""
+    runs, nproc = results["runs"], results["settings"]["nproc"]
+    lines = [
+        "",
+        "Every run: median step time after the warm-up (wall; and the main process's CPU "
+        "time, which other work on a shared machine disturbs far less), rates per rank and "
+        f"in total ({nproc} ranks); loss deviation is the largest relative difference from "
+        "dpkit DDP.",
+        "",
+        "| run | launcher | median step (s) | min-max (s) | CPU per step (s) | tokens/s per rank "
+        "| tokens/s | samples/s per rank | samples/s | loss dev. vs DDP | wall (s) |",
+        "|---|---|" + "---:|" * 9,
+    ]
+    reference = runs.get(REFERENCE.name)
+    for name, run in runs.items():
+        dev = max_relative_deviation(run["losses"], reference["losses"]) if reference else None
+        cells = [
+            name,
+            run["launcher"],
+            f"{run['median_step_time_s']:.3f}",
+            f"{run['min_step_time_s']:.2f}-{run['max_step_time_s']:.2f}",
+            "-" if run["median_step_cpu_s"] is None else f"{run['median_step_cpu_s']:.3f}",
+            f"{run['tokens_per_s_per_rank']:,.0f}",
+            f"{run['tokens_per_s']:,.0f}",
+            f"{run['samples_per_s_per_rank']:.2f}",
+            f"{run['samples_per_s']:.2f}",
+            _deviation(dev, name == REFERENCE.name),
+            f"{run['wall_s']:.0f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _collectives_lines(results: dict[str, Any]) -> list[str]:
+    """The collectives phase: each strategy's communication timed alone, beside the
+    step-time difference it explains."""
+    comm = results.get("collectives")
+    if not comm:
+        return []
+    patterns = comm["patterns"]
+    lines = [
+        "",
+        f"Communication of one step, each pattern timed alone (dpkit.bench.collectives: "
+        f"{comm['backend']}, {comm['world_size']} ranks, the model's "
+        f"{comm['num_params'] / 1e6:.1f}M {comm['dtype']} elements, median of "
+        f"{comm['repeats']} rounds, the slowest rank's; ZeRO bucket "
+        f"{comm['zero_bucket_elements']:,} elements):",
+        "",
+        "| collective | used by | calls | MiB | median (ms) |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for key, what, who in COLLECTIVE_ROWS:
+        row = patterns[key]
+        lines.append(
+            f"| {what} | {who} | {row['calls']} | {mib(row['bytes'])} | "
+            f"{row['median_s'] * 1e3:.1f} |"
+        )
+    runs = results["runs"]
+    reference = runs.get(REFERENCE.name)
+    zero = [s for s in result_strategies(results) if s.uses_deepspeed]
+    if reference is None or not zero:
+        return lines
+    zero_comm = patterns["zero_reduce"]["median_s"] + patterns["zero_allgather"]["median_s"]
+    reference_step = reference["median_step_time_s"]
+    over = ", ".join(
+        f"{s.label} {1e3 * (runs[s.name]['median_step_time_s'] - reference_step):+.0f} ms"
+        for s in zero
+    )
+    return [
+        *lines,
+        "",
+        f"Step time over DDP's: {over}. ZeRO's reduction and all-gather "
+        f"take {zero_comm * 1e3:.0f} ms together against DDP's allreduce "
+        f"{patterns['ddp_allreduce']['median_s'] * 1e3:.0f} ms, which DDP also "
+        "overlaps with backward; where DeepSpeed runs its collectives on the "
+        "compute thread (a CPU accelerator), none of ZeRO's is hidden.",
+    ]
+
+
+def _check_lines(results: dict[str, Any]) -> list[str]:
+    if not results["checks"]:
+        return []
+    lines = ["", "Checks:"]
+    for check in results["checks"]:
+        text = f"{check['value']:.4g} ({'ok' if check['ok'] else 'MISSED'})"
+        if check.get("value_cpu") is not None:
+            text = f"wall {text}, CPU time {check['value_cpu']:.4g} " + (
+                "(ok)" if check["ok_cpu"] else "(MISSED)"
+            )
+        lines.append(f"- {get_strategy(check['strategy']).label}: {check['check']}: {text}")
+    return lines
+
+
+def _zero_settings_lines(results: dict[str, Any]) -> list[str]:
+    """The resolved zero_optimization section of each dpkit ZeRO run (its ds_config.json)."""
+    parts = []
+    for strategy in result_strategies(results):
+        run = results["runs"][strategy.name]
+        if not strategy.uses_deepspeed or "ds_config" not in run:
+            continue
+        zero = {k: v for k, v in run["ds_config"]["zero_optimization"].items() if k != "stage"}
+        parts.append(f"{strategy.label} " + ", ".join(f"{k}={v}" for k, v in zero.items()))
+    if not parts:
+        return []
+    overrides = results["settings"]["zero_overrides"]
+    return [
+        "",
+        "dpkit's ZeRO settings"
+        + (f" (with --zero-override {overrides})" if overrides else "")
+        + ": "
+        + "; ".join(parts)
+        + ". Bare runs: DeepSpeed's defaults (buckets 5e8 elements, contiguous_gradients "
+        "true, overlap_comm false, reduce_scatter true).",
+    ]
+
+
+def format_markdown(results: dict[str, Any]) -> str:
+    """results.md: the header, the strategy table, the run table, communication, checks."""
+    return "\n".join(
+        [
+            *_header(results),
+            *_strategy_table(results),
+            *_gradient_lines(results),
+            *_run_table(results),
+            *_collectives_lines(results),
+            *_check_lines(results),
+            *_zero_settings_lines(results),
+        ]
+    )

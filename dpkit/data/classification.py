@@ -1,0 +1,189 @@
+"""Classification data: the embedded Rotten Tomatoes snippets, CSV/JSON(L) files or Hub datasets, split and validated.
+
+Everything here runs before any process group starts, so bad data costs one line
+and exit code 2 (:class:`~dpkit.errors.UsageError`), never a half-started job.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dpkit.data.embedded import ROTTEN_TOMATOES, rotten_tomatoes_csv
+from dpkit.errors import UsageError
+
+
+def load_classification_splits(
+    dataset: str,
+    *,
+    text_column: str,
+    label_column: str,
+    validation_fraction: float,
+    test_fraction: float,
+    split_seed: int,
+):
+    """A ``DatasetDict`` with train/validation/test and integer labels 0..K-1.
+
+    Returns ``(splits, label_names)``. A single-split source is split with a fixed
+    seed (a random split, not stratified) so every run, strategy and world size sees the
+    same examples.
+    """
+    import datasets
+
+    if dataset == ROTTEN_TOMATOES:
+        raw = datasets.load_dataset("csv", data_files=str(rotten_tomatoes_csv()))
+        label_names = ["rotten", "fresh"]
+    elif dataset.endswith((".csv", ".json", ".jsonl")):
+        if not Path(dataset).is_file():
+            raise UsageError(f"--dataset={dataset!r}: no such file")
+        kind = "csv" if dataset.endswith(".csv") else "json"
+        if Path(dataset).stat().st_size == 0:
+            raise UsageError(f"--dataset={dataset!r}: the file is empty")
+        try:
+            raw = datasets.load_dataset(kind, data_files=dataset)
+        except Exception as err:  # datasets' parsers raise many types; the message says why
+            if "corresponds to no data" in str(err):  # a header and no rows
+                raise UsageError(f"--dataset={dataset!r}: has no examples") from None
+            raise UsageError(
+                f"--dataset={dataset!r}: cannot read it as {kind} ({type(err).__name__}: {err})"
+            ) from None
+        label_names = None
+    else:
+        try:
+            raw = datasets.load_dataset(dataset)
+        except Exception as err:  # the Hub or a local loader; its message says why
+            raise UsageError(
+                f"--dataset={dataset!r}: cannot load ({type(err).__name__}: {err})"
+            ) from None
+        label_names = None
+
+    first = next(iter(raw.values()))
+    for flag, column in (("text_column", text_column), ("label_column", label_column)):
+        if column not in first.column_names:
+            raise UsageError(
+                f"--{flag.replace('_', '-')}={column!r}: not a column of {dataset!r} "
+                f"(columns: {', '.join(first.column_names)})"
+            )
+    if sum(len(split) for split in raw.values()) == 0:
+        raise UsageError(f"--dataset={dataset!r}: has no examples")
+
+    raw = raw.select_columns([text_column, label_column])
+    if text_column != "text":
+        raw = raw.rename_column(text_column, "text")
+    if label_column != "label":
+        raw = raw.rename_column(label_column, "label")
+    raw = raw.filter(lambda ex: ex["text"] is not None and ex["label"] is not None)
+    if sum(len(split) for split in raw.values()) == 0:
+        raise UsageError(f"--dataset={dataset!r}: no example has both a text and a label")
+
+    feature = first.features.get(label_column)
+    if label_names is None and isinstance(feature, datasets.ClassLabel):
+        label_names = list(feature.names)
+    if label_names is None:
+        values = sorted({v for split in raw.values() for v in split["label"]}, key=str)
+        if all(isinstance(v, int) for v in values):
+            if min(values) < 0:
+                raise UsageError(f"--label-column={label_column!r}: negative label {min(values)}")
+            label_names = [str(i) for i in range(max(values) + 1)]
+        else:
+            label_names = [str(v) for v in values]
+            index = {v: i for i, v in enumerate(values)}
+            raw = raw.map(lambda ex: {"label_id": index[ex["label"]]}, remove_columns=["label"])
+            raw = raw.rename_column("label_id", "label")
+    if len(label_names) < 2:
+        raise UsageError(f"--dataset={dataset!r}: needs at least 2 classes, found {label_names}")
+
+    try:
+        splits = _ensure_splits(raw, validation_fraction, test_fraction, split_seed)
+    except ValueError:  # datasets: a split would be empty
+        examples = sum(len(split) for split in raw.values())
+        raise UsageError(
+            f"--dataset={dataset!r}: {examples} examples are too few for train, validation "
+            f"({validation_fraction}) and test ({test_fraction}) splits"
+        ) from None
+    return splits, label_names
+
+
+def is_sequence_classifier(model_config) -> bool:
+    """Whether the model already has a classification head (its labels are then fixed)."""
+    return any(
+        name.endswith("ForSequenceClassification")
+        for name in getattr(model_config, "architectures", None) or []
+    )
+
+
+def load_data_splits(data_cfg):
+    """``load_classification_splits`` for a :class:`~dpkit.train.finetune_config.DataConfig`, without
+    progress bars (it runs on every rank, before the recipe quiets the others)."""
+    import datasets
+
+    bars_were_on = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        return load_classification_splits(
+            data_cfg.dataset,
+            text_column=data_cfg.text_column,
+            label_column=data_cfg.label_column,
+            validation_fraction=data_cfg.validation_fraction,
+            test_fraction=data_cfg.test_fraction,
+            split_seed=data_cfg.split_seed,
+        )
+    finally:
+        if bars_were_on:
+            datasets.enable_progress_bars()
+
+
+def check_classification_data(
+    model_cfg, data_cfg, train_cfg, model_config, loaded=None
+) -> list[str]:
+    """Check the data (``loaded`` by :func:`load_data_splits`, else loaded here) before
+    any process group starts.
+
+    Beyond what :func:`load_classification_splits` refuses (a missing column, no
+    examples, negative labels, too few examples to split), the data must fit the
+    model: a model that already has a classification head takes exactly its own
+    number of classes. Training needs one full micro-batch (the last incomplete
+    batch is dropped). Returns the label names.
+    """
+    splits, label_names = loaded if loaded is not None else load_data_splits(data_cfg)
+
+    classes = model_config.num_labels
+    if is_sequence_classifier(model_config) and len(label_names) != classes:
+        # The recipe builds the head for the data's classes; a trained head has its own.
+        numbered = label_names == [str(i) for i in range(len(label_names))]
+        if numbered and len(label_names) > classes:
+            found = f"label {len(label_names) - 1} is outside the classes 0..{classes - 1} of"
+        else:
+            found = f"{len(label_names)} classes do not fit the {classes} labels of"
+        raise UsageError(
+            f"--dataset={data_cfg.dataset!r}: {found} --model={model_cfg.model!r} (a sequence "
+            f"classifier); use data with {classes} classes or a model without a classification head"
+        )
+
+    train_examples = len(splits["train"])
+    if data_cfg.max_train_samples:
+        train_examples = min(train_examples, data_cfg.max_train_samples)
+    if not train_cfg.eval_only and train_cfg.micro_batch_size > train_examples:
+        raise UsageError(
+            f"--micro-batch-size={train_cfg.micro_batch_size}: more than the {train_examples} "
+            "training examples; the incomplete batch is dropped, so nothing would train"
+        )
+    return label_names
+
+
+def _ensure_splits(raw, validation_fraction: float, test_fraction: float, seed: int):
+    import datasets
+
+    names = set(raw.keys())
+    if {"train", "validation", "test"} <= names:
+        return datasets.DatasetDict({k: raw[k] for k in ("train", "validation", "test")})
+    base = raw["train"] if "train" in names else next(iter(raw.values()))
+    if "test" in names and "train" in names:
+        test, rest = raw["test"], base
+        split = rest.train_test_split(test_size=validation_fraction, seed=seed)
+        return datasets.DatasetDict(train=split["train"], validation=split["test"], test=test)
+    held_out = validation_fraction + test_fraction
+    first = base.train_test_split(test_size=held_out, seed=seed)
+    second = first["test"].train_test_split(test_size=test_fraction / held_out, seed=seed)
+    return datasets.DatasetDict(
+        train=first["train"], validation=second["train"], test=second["test"]
+    )

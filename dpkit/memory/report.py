@@ -1,0 +1,344 @@
+"""The memory report: measured rows per rank against the analytic prediction.
+
+A row is what :func:`dpkit.memory.measure_rank` returns on one rank. The report
+adds the prediction (:func:`dpkit.memory.analytic.model_state_bytes`, never computed
+here), full replication, the savings measured and predicted, the % error per
+category, and for every category where the measurement exceeds the prediction
+the holders of the excess, by name.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dpkit.memory.analytic import (
+    ModelStateBytes,
+    full_replication_bytes,
+    model_state_bytes,
+)
+from dpkit.memory.categories import MODEL_STATES, PARTITION_SHARE
+
+MIB = 1024.0**2
+SCHEMA_VERSION = 1
+# Buffers below this share of the predicted model states (DDP's 8 KiB of module
+# buffers) are in the rows and the JSON but not called out as a residual.
+BUFFER_NOTE_PCT = 0.1
+
+
+def _mib(value: float | None) -> str:
+    if value is None:
+        return "-"
+    mib = value / MIB
+    return "0.0" if abs(mib) < 0.05 else f"{mib:,.1f}"  # no "-0.0" for a few stray bytes
+
+
+def error_pct(predicted: float, measured: float) -> float | None:
+    """(predicted - measured) / measured, in %; None where nothing was measured but something predicted."""
+    if measured == 0:
+        return 0.0 if predicted == 0 else None
+    return 100.0 * (predicted - measured) / measured
+
+
+@dataclass
+class MemoryReport:
+    """Per-rank measurements of one run, with the prediction they are checked against."""
+
+    strategy: str
+    precision: str
+    world_size: int
+    num_params: int
+    ranks: list[dict[str, Any]]
+    optimizer_name: str = "adamw"
+    device: str = "cpu"
+    step: int | None = None
+    # An excess smaller than this share of the prediction (alignment padding, the
+    # optimizer's scalar `step` tensors) is reported in the % error, not as a residual.
+    residual_tolerance_pct: float = 1.0
+    notes: list[str] = field(default_factory=list)
+    # The largest parameter (name, numel): it bounds the residuals ZeRO's bookkeeping
+    # leaves (whole-gradient copies of boundary-straddling or late-reduced parameters).
+    largest_param: dict[str, Any] | None = None
+
+    @property
+    def predicted(self) -> ModelStateBytes:
+        return model_state_bytes(
+            self.num_params, self.strategy, self.world_size, self.precision, self.optimizer_name
+        )
+
+    @property
+    def full_replication(self) -> ModelStateBytes:
+        return full_replication_bytes(self.num_params, self.precision, self.optimizer_name)
+
+    @property
+    def worst_rank(self) -> dict[str, Any]:
+        """The rank with the most model-state bytes: the one that decides whether a run fits."""
+        return max(self.ranks, key=lambda row: row["model_state_total"])
+
+    @property
+    def grads_measured(self) -> bool:
+        """False where the probes could not see every point gradients are held at (a
+        DeepSpeed without a method they rely on): the gradient figure is then a floor."""
+        return all(r.get("grads_measured", True) for r in self.ranks)
+
+    def _by_rank(self) -> list[dict[str, Any]]:
+        return sorted(self.ranks, key=lambda r: r["rank"])
+
+    def measured(self) -> dict[str, float]:
+        """Per category, the largest figure over ranks."""
+        figures = {c: max(float(r[c]) for r in self.ranks) for c in MODEL_STATES}
+        figures["model_state_total"] = max(float(r["model_state_total"]) for r in self.ranks)
+        figures["buffers_total"] = max(float(r["buffers_total"]) for r in self.ranks)
+        return figures
+
+    def error_pct(self) -> dict[str, float | None]:
+        predicted = self.predicted.as_dict()
+        measured = self.measured()
+        errors = {c: error_pct(predicted[c], measured[c]) for c in MODEL_STATES}
+        errors["total"] = error_pct(predicted["total"], measured["model_state_total"])
+        if not self.grads_measured:
+            errors["grads"] = errors["total"] = None
+        return errors
+
+    def savings(self) -> dict[str, dict[str, float]]:
+        full = self.full_replication.total
+        measured = self.measured()
+        predicted_total = self.predicted.total
+        with_buffers = measured["model_state_total"] + measured["buffers_total"]
+        return {
+            # The worst rank: the one that decides whether a run fits.
+            "measured": {
+                "saved_bytes": full - measured["model_state_total"],
+                "ratio": measured["model_state_total"] / full,
+            },
+            "measured_per_rank": {
+                "saved_bytes": [full - r["model_state_total"] for r in self._by_rank()],
+                "ratio": [r["model_state_total"] / full for r in self._by_rank()],
+            },
+            "predicted": {"saved_bytes": full - predicted_total, "ratio": predicted_total / full},
+            # Buffers are not in the ZeRO accounting but take memory all the same: if
+            # they eat the savings, this is the figure that shows it.
+            "measured_with_buffers": {
+                "saved_bytes": full - with_buffers,
+                "ratio": with_buffers / full,
+            },
+        }
+
+    def residuals(self) -> list[dict[str, Any]]:
+        """Every category measured above its prediction, with the holders of its bytes."""
+        predicted = self.predicted.as_dict()
+        found = []
+        for category in MODEL_STATES:
+            if category == "grads" and not self.grads_measured:
+                continue
+            row = max(self.ranks, key=lambda r, c=category: r[c])
+            excess = float(row[category]) - predicted[category]
+            if excess <= self.residual_tolerance_pct / 100.0 * max(predicted[category], 1.0):
+                continue
+            holders = row.get("holders", {}).get(category, {})
+            found.append(
+                {
+                    "category": category,
+                    "rank": row["rank"],
+                    "excess_bytes": excess,
+                    "excess_pct_of_prediction": None
+                    if predicted[category] == 0
+                    else 100.0 * excess / predicted[category],
+                    "held_by": dict(sorted(holders.items(), key=lambda kv: -kv[1])),
+                    "at": row.get("high_water_points", {}).get(category),
+                }
+            )
+        worst = max(self.ranks, key=lambda r: r["buffers_total"])
+        # Buffers are outside ZeRO's accounting altogether; named once they are worth a line.
+        if worst["buffers_total"] > BUFFER_NOTE_PCT / 100.0 * predicted["total"]:
+            found.append(
+                {
+                    "category": "buffers",
+                    "rank": worst["rank"],
+                    "excess_bytes": float(worst["buffers_total"]),
+                    "excess_pct_of_prediction": 100.0 * worst["buffers_total"] / predicted["total"],
+                    "held_by": dict(sorted(worst["buffers"].items(), key=lambda kv: -kv[1])),
+                    "at": worst.get("high_water_points", {}).get("buffers"),
+                }
+            )
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "schema": SCHEMA_VERSION,
+            "strategy": self.strategy,
+            "precision": self.precision,
+            "optimizer": self.optimizer_name,
+            "world_size": self.world_size,
+            "num_params": self.num_params,
+            "device": self.device,
+            "step": self.step,
+            "residual_tolerance_pct": self.residual_tolerance_pct,
+            "ranks": self.ranks,
+            "measured": self.measured(),
+            "predicted": self.predicted.as_dict(),
+            "full_replication": self.full_replication.as_dict(),
+            "savings": self.savings(),
+            "error_pct": self.error_pct(),
+            "error_pct_definition": "(predicted - measured) / measured x 100, worst rank per category",
+            "residuals": self.residuals(),
+            "grads_measured": self.grads_measured,
+            "settings": self.ranks[0].get("settings", {}),
+            "largest_param": self.largest_param,
+            "notes": list(self.notes),
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MemoryReport:
+        return cls(
+            strategy=data["strategy"],
+            precision=data["precision"],
+            world_size=int(data["world_size"]),
+            num_params=int(data["num_params"]),
+            ranks=list(data["ranks"]),
+            optimizer_name=data.get("optimizer", "adamw"),
+            device=data.get("device", "cpu"),
+            step=data.get("step"),
+            residual_tolerance_pct=float(data.get("residual_tolerance_pct", 1.0)),
+            notes=list(data.get("notes", [])),
+            largest_param=data.get("largest_param"),
+        )
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> MemoryReport:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def tracker_scalars(self) -> dict[str, float]:
+        """Flat ``memory/...`` scalars for accelerate trackers (MiB; ratios and % as is)."""
+        measured = self.measured()
+        scalars: dict[str, float] = {}
+        for category in MODEL_STATES:
+            scalars[f"memory/{category}_mib"] = measured[category] / MIB
+        scalars["memory/model_state_mib"] = measured["model_state_total"] / MIB
+        scalars["memory/buffers_mib"] = measured["buffers_total"] / MIB
+        scalars["memory/predicted_model_state_mib"] = self.predicted.total / MIB
+        scalars["memory/full_replication_mib"] = self.full_replication.total / MIB
+        for kind, figures in self.savings().items():
+            if kind == "measured_per_rank":
+                continue  # per-rank figures are below, with each rank's model states
+            scalars[f"memory/saved_mib_{kind}"] = figures["saved_bytes"] / MIB
+            scalars[f"memory/saved_ratio_{kind}"] = figures["ratio"]
+        for category, value in self.error_pct().items():
+            if value is not None:
+                scalars[f"memory/error_pct/{category}"] = value
+        activations = [r["activations"] for r in self.ranks if r.get("activations") is not None]
+        if activations:
+            scalars["memory/activations_mib"] = max(activations) / MIB
+        for row in self.ranks:
+            peak = row.get("peak", {})
+            headline = peak.get("headline")
+            if headline and peak.get(headline) is not None:
+                scalars[f"memory/rank{row['rank']}/peak_mib"] = peak[headline] / MIB
+            scalars[f"memory/rank{row['rank']}/model_state_mib"] = row["model_state_total"] / MIB
+            for key in ("max_allocated_pct", "num_alloc_retries", "num_ooms"):
+                if peak.get(key) is not None:
+                    scalars[f"memory/rank{row['rank']}/{key}"] = float(peak[key])
+        return {k: v for k, v in scalars.items() if math.isfinite(v)}
+
+    def format_table(self) -> str:
+        """The report as text for the log: one row per rank, then prediction, savings, residuals."""
+        predicted = self.predicted.as_dict()
+        full = self.full_replication.as_dict()
+        peak_name = self.ranks[0].get("peak", {}).get("headline", "peak")
+        columns = (*MODEL_STATES, "states", "buffers", "activations", "worst moment")
+        lines = [
+            f"memory: {self.strategy}, {self.world_size} ranks, {self.precision}, "
+            f"{self.optimizer_name}, {self.num_params:,} params, {self.device}"
+            + (f", step {self.step}" if self.step is not None else ""),
+            _line("MiB", columns, peak_name),
+        ]
+        for row in sorted(self.ranks, key=lambda r: r["rank"]):
+            peak = row.get("peak", {})
+            peak_text = _mib(peak.get(peak.get("headline", "")))
+            if peak.get("max_allocated_pct") is not None:
+                peak_text += f" ({peak['max_allocated_pct']:.1f}% of device)"
+            values = [row[c] for c in MODEL_STATES]
+            values += [row["model_state_total"], row["buffers_total"], row.get("activations")]
+            values.append(row.get("largest_moment", {}).get("total"))
+            cells = [_mib(v) for v in values]
+            if not row.get("grads_measured", True):
+                cells[MODEL_STATES.index("grads")] = "unmeasured"
+            lines.append(_line(f"rank {row['rank']}", cells, peak_text))
+        for label, figures in (("predicted", predicted), ("full replication", full)):
+            values = [figures[c] for c in (*MODEL_STATES, "total")]
+            lines.append(_line(label, [_mib(v) for v in values]))
+        errors = self.error_pct()
+        error_cells = ["-" if errors[c] is None else f"{errors[c]:+.2f}" for c in errors]
+        lines.append(_line("error % (pred.)", error_cells))
+        savings = self.savings()
+        per_rank = ", ".join(_mib(b) for b in savings.pop("measured_per_rank")["saved_bytes"])
+        lines.append(
+            "saved vs full replication (worst rank): "
+            + ", ".join(
+                f"{kind.replace('_', ' ')} {_mib(s['saved_bytes'])} MiB (x{s['ratio']:.3f})"
+                for kind, s in savings.items()
+            )
+            + f"; measured per rank: {per_rank} MiB"
+        )
+        for residual in self.residuals():
+            # Holders under 0.05 MiB (a straddling LayerNorm bias) stay in the JSON only.
+            held = ", ".join(
+                f"{name} {_mib(b)}" for name, b in residual["held_by"].items() if b >= 0.05 * MIB
+            )
+            where = f" at {residual['at']}" if residual.get("at") else ""
+            lines.append(
+                f"above prediction: {residual['category']} +{_mib(residual['excess_bytes'])} MiB "
+                f"(rank {residual['rank']}{where}) held by: {held}"
+            )
+        if self.largest_param and any(r["category"] != "buffers" for r in self.residuals()):
+            lines.append(
+                f"largest parameter: {self.largest_param['name']}, "
+                f"{self.largest_param['numel']:,} elements ({_mib(self.largest_param['bytes'])} MiB)"
+            )
+        moments = {r["rank"]: r.get("largest_moment", {}).get("point") for r in self.ranks}
+        if any(moments.values()):
+            lines.append(
+                "worst moment = all counted tensors at the probe point where they peak: "
+                + ", ".join(f"rank {rank} {point}" for rank, point in sorted(moments.items()))
+            )
+        for row in self._by_rank():
+            peak = row.get("peak", {})
+            if peak.get("rss_runtime_at_track") is None:
+                continue
+            lines.append(
+                f"rank {row['rank']} {peak['headline'].replace('_', ' ')} "
+                f"{_mib(peak['rss_high_water'])} MiB = runtime {_mib(peak['rss_runtime_at_track'])} "
+                f"(RSS at track() minus its tensors) + counted tensors at worst moment "
+                f"{_mib(row.get('largest_moment', {}).get('total'))} + rest "
+                f"{_mib(peak['rss_rest_at_peak'])} (activations, workspace, allocator)"
+            )
+        lines.extend(f"note: {note}" for note in self.notes)
+        return "\n".join(lines)
+
+
+def _line(label: str, cells: Any, tail: str = "") -> str:
+    """One table line: an 18-wide label, 13-wide right-aligned cells, then free text."""
+    text = f"{label:<18}" + "".join(f"{cell:>13}" for cell in cells)
+    return f"{text}  {tail}" if tail else text
+
+
+def gradient_partition_bytes(row: dict[str, Any]) -> float | None:
+    """A rank's own ZeRO gradient partition (what stage 2 shards), at the probe point where
+    it is held, from a report row; None where no partition was seen (DDP)."""
+    shares = [
+        sum(
+            b
+            for name, b in phase["holders"].get("grads", {}).items()
+            if name.endswith(PARTITION_SHARE)
+        )
+        for phase in row.get("phases", {}).values()
+    ]
+    return max(shares) if shares and max(shares) > 0 else None

@@ -1,0 +1,285 @@
+"""Where the memory of a data-parallel run went, measured per rank and checked against ZeRO's accounting.
+
+Use from a training script (every rank makes every call; the report exists on the
+main process)::
+
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    tracker = MemoryTracker(accelerator, model, optimizer, strategy="zero2", precision="no")
+    ...train...
+    report = tracker.write_report("out/memory_report.json", step=step)   # a collective
+
+(:meth:`dpkit.Run.track_memory` fills in the strategy and precision.)
+
+What is measured (:mod:`dpkit.memory.walk`): parameters, gradients, optimizer
+state, fp32 master copies and buffers (DDP's reducer buckets, DeepSpeed's ipg
+bucket...), each storage counted once, with the name of what holds it; the
+bytes autograd saved for backward (activations); and the peak
+(:mod:`dpkit.memory.peak`). Gradients live for a fraction of each step and,
+under DeepSpeed, not in ``param.grad``: the probes (:mod:`dpkit.memory.probes`)
+catch them where each strategy holds them. What is predicted:
+:func:`dpkit.memory.analytic.model_state_bytes`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpkit.memory.analytic import canonical_precision
+from dpkit.memory.categories import MODEL_STATES
+from dpkit.memory.peak import current_summary, peak_figures, reset_peak
+from dpkit.memory.probes import StepProbes
+from dpkit.memory.report import MemoryReport
+from dpkit.memory.walk import memory_settings_in_effect, unwrap_module, unwrap_optimizer, walk
+from dpkit.models import count_parameters
+from dpkit.strategy import Strategy, get_strategy
+
+logger = logging.getLogger(__name__)
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Trainable parameters of the unwrapped module, each once (tied weights are one parameter)."""
+    return count_parameters(unwrap_module(model), trainable_only=True)
+
+
+def largest_param(model: torch.nn.Module) -> dict[str, Any] | None:
+    """Name and size of the model's largest parameter."""
+    named = list(unwrap_module(model).named_parameters())
+    if not named:
+        return None
+    name, param = max(named, key=lambda item: item[1].numel())
+    return {
+        "name": name,
+        "numel": int(param.numel()),
+        "bytes": param.numel() * param.element_size(),
+    }
+
+
+def measure_rank(
+    accelerator: Any,
+    model: torch.nn.Module,
+    optimizer: Any,
+    probes: StepProbes | None = None,
+    rss_reset: bool = False,
+) -> dict[str, Any]:
+    """Bytes held on this rank by category, with the holder of each byte and the peak.
+
+    Categories are high-waters over the steps ``probes`` saw, or the tensors held
+    right now when there are none. ``rss_reset``: whether the RSS high-water was reset
+    (:func:`dpkit.memory.peak.reset_peak`) rather than running from process start.
+    """
+    now = walk(model, optimizer)
+    row: dict[str, Any] = {"rank": int(getattr(accelerator, "process_index", 0))}
+    holders: dict[str, dict[str, float]] = {}
+    points: dict[str, str] = {}
+    for category in (*MODEL_STATES, "buffers"):
+        best = probes.high_water.get(category) if probes is not None else None
+        if best is not None and best["bytes"] >= now[category]:
+            value, holders[category], points[category] = (
+                best["bytes"],
+                best["holders"],
+                best["point"],
+            )
+        else:
+            value, holders[category], points[category] = (
+                now[category],
+                now["holders"].get(category, {}),
+                "report",
+            )
+        row[category] = float(value)
+    buffer_names = dict(holders.pop("buffers"))
+    flat_copy = getattr(probes, "bucket_flat_copy_bytes", 0.0) if probes is not None else 0.0
+    if flat_copy:
+        # Sized, not walked (see StepProbes): counted as if it coexisted with the rest.
+        buffer_names["zero_reduce_flat_copy (largest bucket copy, transient)"] = flat_copy
+        row["buffers"] += flat_copy
+    row["buffers_total"] = row.pop("buffers")
+    row["buffers"] = buffer_names
+    row["model_state_total"] = sum(row[c] for c in MODEL_STATES)
+    row["holders"] = holders
+    row["high_water_points"] = points
+    row["measured_at"] = (
+        "step probes" if probes is not None and probes.phases else "now (no probes)"
+    )
+    row["phases"] = dict(probes.phases) if probes is not None else {}
+    # Category high-waters may come from different points; this is one real moment.
+    row["largest_moment"] = dict(probes.largest_moment) if probes is not None else {}
+    activations = getattr(probes, "activations", None) if probes is not None else None
+    row["activations"] = activations.high_water if activations is not None else None
+    row["probe_seconds"] = probes.probe_seconds if probes is not None else 0.0
+    device = getattr(accelerator, "device", None)
+    peak = peak_figures(device, rss_reset)
+    counted = row["model_state_total"] + row["buffers_total"]
+    headline = peak[peak["headline"]]
+    # What the peak holds beyond the counted tensors: activations, workspace and, on
+    # CPU, the interpreter and libraries. Categories peak at different moments, so
+    # this is an estimate, named as one.
+    peak["peak_minus_counted_tensors"] = None if headline is None else headline - counted
+    baseline = getattr(probes, "baseline", None) if probes is not None else None
+    if baseline and baseline.get("rss") is not None and peak.get("rss_high_water") is not None:
+        # The CPU peak, decomposed: the runtime measured at track() (RSS minus the
+        # tensors counted then), the counted tensors at their worst probe point, and the
+        # rest (activations, workspace, allocator slack; activations are also measured
+        # separately, at the end of forward, so they are not subtracted here).
+        runtime = baseline["rss"] - baseline["counted_tensors"]
+        worst = row["largest_moment"].get("total", counted)
+        peak["rss_runtime_at_track"] = runtime
+        peak["rss_rest_at_peak"] = peak["rss_high_water"] - runtime - worst
+    row["peak"] = peak
+    row["device"] = str(device) if device is not None else "cpu"
+    row["settings"] = memory_settings_in_effect(model, optimizer)
+    # A probe point this DeepSpeed lacks: gradients held only there were not seen.
+    row["unprobed"] = list(probes.missing) if probes is not None else []
+    row["grads_measured"] = probes is not None and not probes.missing
+    return row
+
+
+def _gather_rows(accelerator: Any, row: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's row, on every rank (accelerate's ``gather_object``; one row without
+    a process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [row]
+    from accelerate.utils import gather_object
+
+    return gather_object([row])
+
+
+class MemoryTracker:
+    """The per-rank memory of one training run: probes inside each step, and the report.
+
+    Create it after ``accelerator.prepare`` (it resets the peak and installs the probes
+    on the prepared model and optimizer); every rank must create it and every rank must
+    call :meth:`report` / :meth:`write_report` (they gather from all ranks).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        model: torch.nn.Module,
+        optimizer: Any,
+        *,
+        strategy: Strategy | str,
+        precision: str = "no",
+        optimizer_name: str = "adamw",
+        probe_steps: int = -1,
+        count_activations: bool = True,
+    ) -> None:
+        """
+        Args:
+            accelerator: the run's Accelerator (its device and rank).
+            model, optimizer: as ``accelerator.prepare`` returned them.
+            strategy: what runs (a :class:`~dpkit.strategy.Strategy` or its name): the
+                prediction the measurement is checked against.
+            precision: ``no``/``fp32``, ``bf16`` or ``fp16``.
+            optimizer_name: for the prediction (``adamw``: 8 bytes of state per parameter).
+            probe_steps: probe the first N optimizer steps (see :meth:`step_done`) and
+                keep their high-waters; -1 every step; 0 installs no probes (a report then
+                sees only what is held when it is taken).
+            count_activations: count the bytes autograd saves for backward.
+        """
+        self.accelerator = accelerator
+        self.model = model
+        self.optimizer = optimizer
+        self.strategy = get_strategy(strategy)
+        self.precision = canonical_precision(precision)
+        self.optimizer_name = optimizer_name
+        self.probe_steps = probe_steps
+        self.rss_reset = reset_peak(getattr(accelerator, "device", None))
+        self.probes = (
+            StepProbes(model, optimizer, count_activations=count_activations)
+            if probe_steps != 0
+            else None
+        )
+        if self.probes is not None and self.probes.missing and _is_main(accelerator):
+            logger.warning(
+                "dpkit: this DeepSpeed has no %s: the memory report marks gradients as unmeasured",
+                ", ".join(self.probes.missing),
+            )
+
+    def step_done(self, step: int) -> None:
+        """Call after each optimizer step: after ``probe_steps`` steps the probes are
+        removed (their high-waters kept), so later steps run, and are timed, without them."""
+        if self.probes is not None and self.probe_steps > 0 and step == self.probe_steps:
+            self.probes.remove()
+
+    def stop(self) -> None:
+        """Remove the probes now (their high-waters are kept for the report)."""
+        if self.probes is not None:
+            self.probes.remove()
+
+    def measure(self) -> dict[str, Any]:
+        """This rank's row (no collective)."""
+        return measure_rank(
+            self.accelerator, self.model, self.optimizer, self.probes, self.rss_reset
+        )
+
+    def summary(self) -> str:
+        """This rank's memory in a few words, for a per-step log line (no collective)."""
+        return current_summary(getattr(self.accelerator, "device", None))
+
+    def report(self, step: int | None = None) -> MemoryReport | None:
+        """Measure every rank and build the report on the main process, None elsewhere
+        (a collective: every rank must call it)."""
+        rows = _gather_rows(self.accelerator, self.measure())
+        if not _is_main(self.accelerator):
+            return None
+        notes = []
+        if self.probes is None:
+            notes.append(
+                "no step probes installed: gradients freed before this report are not counted"
+            )
+        elif self.probes.missing:
+            notes.append(
+                f"this DeepSpeed has no {', '.join(self.probes.missing)}: gradients held only "
+                "there were not seen, so the gradient figure is marked unmeasured"
+            )
+        device = rows[0].get("device", "cpu")
+        if not device.startswith("cuda"):
+            notes.append(
+                "CPU run: tensor figures are allocated bytes; the peak is the process RSS "
+                "high-water (it also holds the interpreter and libraries, and untouched "
+                "allocations are not resident)"
+            )
+        owner = unwrap_optimizer(self.optimizer)
+        if self.strategy.uses_deepspeed and not hasattr(owner, "bit16_groups_flat"):
+            notes.append(
+                f"strategy {self.strategy.name!r} but no ZeRO optimizer found: measured as plain torch"
+            )
+        return MemoryReport(
+            strategy=self.strategy.name,
+            precision=self.precision,
+            world_size=len(rows),
+            num_params=count_params(self.model),
+            ranks=sorted(rows, key=lambda r: r["rank"]),
+            optimizer_name=self.optimizer_name,
+            device=device,
+            step=step,
+            notes=notes,
+            largest_param=largest_param(self.model),
+        )
+
+    def log_report(self, step: int | None = None) -> MemoryReport | None:
+        """:meth:`report`, printed as a table on the main process (an intermediate report)."""
+        report = self.report(step)
+        if report is not None:
+            logger.info("memory at step %s\n%s", step, report.format_table())
+        return report
+
+    def write_report(self, path: str | Path, step: int | None = None) -> MemoryReport | None:
+        """:meth:`report`, then on the main process: saved as JSON at ``path``, printed as
+        a table, and logged under ``memory/*`` to the accelerator's trackers."""
+        report = self.report(step)
+        if report is not None:
+            report.save(path)
+            logger.info("memory per rank\n%s", report.format_table())
+            self.accelerator.log(report.tracker_scalars(), step=step)
+        return report
+
+
+def _is_main(accelerator: Any) -> bool:
+    return int(getattr(accelerator, "process_index", 0)) == 0

@@ -1,0 +1,182 @@
+"""``dpkit plan --against RUN_DIR``: the plan of a finished run beside what the run measured.
+
+The run's own folder (``recipes/finetune.py``, ``recipes/train_lm.py``, or a run of
+``dpkit bench``) says what to plan for: ``run_config.json`` (model, micro-batch,
+sequence length, which recipe) and ``memory_report.json`` (strategy, world size,
+precision, optimizer, the DeepSpeed settings in effect, and every rank's measured
+bytes). The plan is made with those settings, so a disagreement is the model's, not
+the inputs'. Per model-state category the plan's per-GPU figure (the worst rank) is
+set against the largest measured rank, with the error in percent; for ZeRO the
+paper's gradient figure is shown too, since that is what DeepSpeed's layout departs
+from (:mod:`dpkit.memory.zero_layout`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from dpkit.errors import UsageError
+from dpkit.memory.analytic import canonical_precision
+from dpkit.memory.categories import MODEL_STATES
+from dpkit.plan.estimate import StrategyEstimate, buffer_settings, estimate
+from dpkit.plan.inputs import ModelSpec, PlanInputs, load_model, spec_from_config
+
+CATEGORIES = MODEL_STATES
+"""The rows of the check: the model states, one by one."""
+MIB = 2**20
+
+
+@dataclass(frozen=True)
+class PlanCheck:
+    """The plan of one run and the run's measurement, per category (bytes per GPU)."""
+
+    run_dir: Path
+    model: str
+    strategy: str
+    world_size: int
+    precision: str
+    predicted: dict[str, float]
+    """Per category and ``total``: the plan's figure (its worst rank)."""
+    measured: dict[str, float]
+    """Per category and ``total``: the largest over the run's ranks."""
+    grads_paper: float
+    """The ZeRO paper's gradient figure, for comparison."""
+    grads_where: str
+    """The rank and moment the plan's gradient figure comes from."""
+
+    @property
+    def error_pct(self) -> dict[str, float | None]:
+        """(predicted - measured) / measured, in percent; None where nothing was measured."""
+        return {
+            key: None if not measured else 100.0 * (self.predicted[key] - measured) / measured
+            for key, measured in self.measured.items()
+        }
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise UsageError(f"--against={str(path.parent)!r}: no {path.name} ({what})")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise UsageError(
+            f"--against: {path} is not valid JSON ({err.msg}, line {err.lineno})"
+        ) from None
+
+
+def _run_settings(report: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    """The plan's buffer settings, with the DeepSpeed values the run really used."""
+    settings = dict(defaults)
+    for key, value in report.get("settings", {}).items():
+        if key.startswith("zero."):
+            settings[key.removeprefix("zero.")] = value
+    return settings
+
+
+def _recipe_model(run_dir: Path, config: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
+    """The model a recipe trained, its micro-batch and sequence length, from its config."""
+    if "ModelConfig" in config and "TrainConfig" in config:  # recipes/finetune.py
+        name = config["ModelConfig"]["model"]
+        spec = load_model(name, task="sequence_classification")
+        micro_batch = int(config["TrainConfig"]["micro_batch_size"])
+        return name, spec, micro_batch, int(config["ModelConfig"].get("max_seq_length", 128))
+    if "LMWorkload" in config:  # recipes/train_lm.py (and dpkit bench)
+        from dpkit.data import lm as lm_data
+
+        known = {f.name for f in fields(lm_data.LMWorkload)}
+        workload = lm_data.LMWorkload(
+            **{k: v for k, v in config["LMWorkload"].items() if k in known}
+        )
+        name = workload.model_config or f"train_lm --size {workload.size}"
+        spec = spec_from_config(name, "recipe", lm_data.lm_config(workload))
+        return name, spec, workload.micro_batch_size, workload.seq_len
+    raise UsageError(
+        f"--against={str(run_dir)!r}: run_config.json is not from recipes/finetune.py or "
+        "recipes/train_lm.py"
+    )
+
+
+def check_run(run_dir: str | Path) -> PlanCheck:
+    """Plan for the run in ``run_dir`` with its own inputs and compare with its report."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UsageError(f"--against={str(run_dir)!r}: no such run folder")
+    report = _read_json(run_dir / "memory_report.json", "written at the end of every run")
+    config = _read_json(run_dir / "run_config.json", "written at the start of every run")
+    model_name, spec, micro_batch, seq_len = _recipe_model(run_dir, config)
+    try:  # the report may use accelerate's name for fp32, "no"
+        precision = canonical_precision(report["precision"])
+    except ValueError:
+        raise UsageError(
+            f"--against: unknown precision {report['precision']!r} in the report"
+        ) from None
+    world_size = int(report["world_size"])
+    inputs = PlanInputs(
+        model=spec,
+        gpus_per_node=world_size,
+        precision=precision,
+        optimizer=report.get("optimizer", "adamw"),
+        micro_batch=micro_batch,
+        seq_len=seq_len,
+    )
+    settings = _run_settings(report, buffer_settings(spec, world_size))
+    row: StrategyEstimate = estimate(inputs, report["strategy"], inputs.micro_batch, None, settings)
+    predicted = {c: float(getattr(row, c)) for c in CATEGORIES}
+    predicted["total"] = sum(predicted.values())
+    measured = {c: max(float(r[c]) for r in report["ranks"]) for c in CATEGORIES}
+    measured["total"] = max(float(r["model_state_total"]) for r in report["ranks"])
+    return PlanCheck(
+        run_dir=run_dir,
+        model=model_name,
+        strategy=report["strategy"],
+        world_size=world_size,
+        precision=precision,
+        predicted=predicted,
+        measured=measured,
+        grads_paper=row.grads_paper,
+        grads_where=row.grads_where,
+    )
+
+
+def format_check(check: PlanCheck) -> str:
+    """The check as a table: per category, predicted and measured MiB and the error."""
+    lines = [
+        f"dpkit plan --against {check.run_dir}",
+        f"  {check.model}: {check.strategy} on {check.world_size} ranks, {check.precision}; "
+        "model states per GPU (plan: its worst rank; measured: the largest rank)",
+        "",
+        f"{'MiB per GPU':<14}{'predicted':>11}{'measured':>11}{'error':>9}",
+    ]
+    errors = check.error_pct
+    for key in (*CATEGORIES, "total"):
+        error = errors[key]
+        lines.append(
+            f"{key:<14}{check.predicted[key] / MIB:>11.1f}{check.measured[key] / MIB:>11.1f}"
+            + (f"{error:>+8.1f}%" if error is not None else f"{'-':>9}")
+        )
+    if check.grads_where:
+        lines += [
+            "",
+            f"grads: {check.grads_where}; the ZeRO paper's figure would be "
+            f"{check.grads_paper / MIB:.1f} MiB (see dpkit.memory.zero_layout)",
+        ]
+    return "\n".join(lines)
+
+
+def check_dict(check: PlanCheck) -> dict[str, Any]:
+    """The check for ``--against --json``: bytes as integers."""
+    return {
+        "run_dir": str(check.run_dir),
+        "model": check.model,
+        "strategy": check.strategy,
+        "world_size": check.world_size,
+        "precision": check.precision,
+        "predicted_bytes": {k: round(v) for k, v in check.predicted.items()},
+        "measured_bytes": {k: round(v) for k, v in check.measured.items()},
+        "error_pct": check.error_pct,
+        "grads_paper_bytes": round(check.grads_paper),
+        "grads_where": check.grads_where,
+    }

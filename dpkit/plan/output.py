@@ -1,0 +1,212 @@
+"""``dpkit plan``'s output: the table people read (:func:`format_table`) and ``--json``
+(:func:`plan_dict`).
+
+Both print every strategy's figures per GPU, the recommendation and what the
+estimate leaves out (:data:`NOT_COUNTED`); the JSON keeps bytes as integers and
+strategies by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpkit.plan.estimate import StrategyEstimate
+from dpkit.plan.inputs import GIB, PlanInputs
+from dpkit.plan.recommend import Plan, format_gib
+from dpkit.strategy import get_strategy
+
+# What the estimate leaves out: printed with every plan, so no figure is read as more.
+NOT_COUNTED = (
+    "other processes on the GPU, and CUDA/NCCL memory beyond --reserve",
+    "temporaries inside one layer's forward or backward (the largest is a few MLP-sized tensors)",
+    "under DDP's autocast, the residual stream and norm inputs stay fp32: "
+    "the 16-bit trace undercounts them by about 2 bytes per hidden unit per token per norm",
+    "evaluation, generation and checkpoint saving (the plan is one training step)",
+    "host memory other than what offload moves there (and the fp32 model each process "
+    "loads at start-up)",
+)
+
+
+def _describe_inputs(inputs: PlanInputs) -> list[str]:
+    """The request, in the three lines that open the table."""
+    model = inputs.model
+    source = {"bundled": "bundled config", "path": "local config", "hub": "Hub config"}
+    origin = f"{model.name} ({source[model.source]})" if model.source != "count" else "--params"
+    precision = "fp32" if inputs.precision == "fp32" else f"{inputs.precision} mixed precision"
+    return [
+        f"model: {origin}, {model.num_params:,} parameters",
+        f"GPUs: {inputs.world_size} ({inputs.nodes} node{'s' if inputs.nodes > 1 else ''} x "
+        f"{inputs.gpus_per_node}) x "
+        f"{format_gib(inputs.gpu_memory)}; usable per GPU {format_gib(inputs.usable)} "
+        f"({inputs.headroom:.0%} headroom kept free)",
+        f"step: {precision}, {inputs.optimizer}, micro-batch {inputs.micro_batch} x "
+        f"{inputs.seq_len} tokens, activation checkpointing "
+        f"{'on' if inputs.activation_checkpointing else 'off'}, attention {inputs.attention}",
+    ]
+
+
+def _describe_method(plan: Plan) -> str:
+    """How activations were estimated, for the notes under the table."""
+    activations = plan.activations
+    if activations is None:
+        return (
+            "activations: NOT COUNTED (a bare --params has no shapes), except DDP autocast's "
+            "16-bit weight copies; the totals are a floor and no micro-batch limit is given"
+        )
+    if activations.method == "trace":
+        return (
+            "activations: bytes saved for backward, traced by running the model's forward on the "
+            "meta device (attention as a fused kernel, dropout masks 1 byte), plus the logits peak"
+        )
+    note = f" ({activations.note})" if activations.note else ""
+    return (
+        f"activations: Korthikanti et al. 2022 formula from the config's shapes{note}, "
+        "plus the logits peak"
+    )
+
+
+def _row_line(row: StrategyEstimate, plan: Plan) -> str:
+    """One strategy's line of the table."""
+    inputs = plan.inputs
+    if not row.applicable:
+        return f"{row.label:<15}  n/a: --optimizer {inputs.optimizer} needs offload"
+    figures = (row.params, row.grads, row.optimizer, row.master, row.activations, row.step)
+    free = (inputs.gpu_memory - row.total) / inputs.gpu_memory
+    fits = f"{'yes' if plan.fits(row) else 'no'} ({free:.0%})"
+    largest = plan.largest_micro_batches[row.strategy]
+    largest_text = "-" if largest is None else str(largest)
+    return (
+        f"{row.label:<15}"
+        + "".join(f"{v / GIB:>8.2f}" for v in figures)
+        + f"{row.buffers / GIB:>9.2f}{row.reserve / GIB:>9.2f}{row.total / GIB:>8.2f}"
+        + f"  {fits:<13}{largest_text:>15}"
+    )
+
+
+def format_table(plan: Plan) -> str:
+    """The human-readable plan."""
+    inputs = plan.inputs
+    header = (
+        f"{'GiB per GPU':<15}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}{'activ':>8}"
+        f"{'step':>8}{'buffers':>9}{'reserve':>9}{'total':>8}  {'fits (free)':<13}"
+        f"{'max micro-batch':>15}"
+    )
+    lines = ["dpkit plan", *("  " + line for line in _describe_inputs(inputs)), "", header]
+    total_rule = (
+        "total = params + optim + master + buffers + reserve + the larger of backward's "
+        "(grads then + activ) and the step's (grads then + step temporaries)"
+    )
+    lines += [_row_line(row, plan) for row in plan.rows]
+    chosen = plan.row(plan.recommended)
+    largest = plan.largest_micro_batches[plan.recommended]
+    largest_text = (
+        f"; largest micro-batch that fits under it: {largest}" if largest is not None else ""
+    )
+    offload = next(r for r in plan.rows if get_strategy(r.strategy).offload)
+    settings = plan.settings
+    ddp_buckets = (
+        "DDP gradients are views of its buckets"
+        if settings["gradient_as_bucket_view"]
+        else "DDP's buckets copy every gradient"
+    )
+    laid_out = [r for r in plan.rows if r.applicable and r.grads_where]
+    lines += [
+        total_rule,
+        *(
+            f"{r.label} grads: DeepSpeed's layout, worst {r.grads_where}: {format_gib(r.grads)} "
+            f"(the ZeRO paper's figure: {format_gib(r.grads_paper)}; dpkit.memory.zero_layout)"
+            for r in laid_out
+        ),
+        "",
+        f"recommended: {chosen.label} at micro-batch {inputs.micro_batch} "
+        f"({format_gib(chosen.total)} per GPU){largest_text}",
+        f"  why: {plan.reason}",
+        "",
+        _describe_method(plan),
+        f"host memory: {offload.label} keeps {format_gib(offload.host_offload)} per GPU in "
+        f"host RAM ({format_gib(offload.host_offload * inputs.gpus_per_node)} per node)",
+        f"buffers: {ddp_buckets}; ZeRO reduce bucket {settings['reduce_bucket_size']:,} "
+        f"elements, overlap_comm {settings['overlap_comm']} (dpkit.memory.settings over "
+        "DeepSpeed's defaults)",
+        "not counted:",
+        *(f"  - {item}" for item in NOT_COUNTED),
+    ]
+    return "\n".join(lines)
+
+
+def _row_dict(row: StrategyEstimate, plan: Plan) -> dict[str, Any]:
+    """One strategy's entry of ``--json``."""
+    if not row.applicable:
+        return {"strategy": row.strategy, "applicable": False}
+    return {
+        "strategy": row.strategy,
+        "applicable": True,
+        "bytes_per_gpu": {
+            "params": round(row.params),
+            "grads": round(row.grads),
+            "grads_backward": round(
+                row.grads if row.grads_backward is None else row.grads_backward
+            ),
+            "grads_step": round(row.grads if row.grads_step is None else row.grads_step),
+            "grads_paper": round(row.grads_paper),
+            "optimizer": round(row.optimizer),
+            "master": round(row.master),
+            "activations": round(row.activations),
+            "step": round(row.step),
+            "buffers": round(row.buffers),
+            "reserve": round(row.reserve),
+            "total": round(row.total),
+        },
+        "grads_where": row.grads_where or None,
+        "buffer_parts": {k: round(v) for k, v in row.buffer_parts.items()},
+        "step_parts": {k: round(v) for k, v in row.step_parts.items()},
+        "activation_parts": {k: round(v) for k, v in row.activation_parts.items()},
+        "host_offload_bytes_per_gpu": round(row.host_offload),
+        "fits": plan.fits(row),
+        "free_fraction": (plan.inputs.gpu_memory - row.total) / plan.inputs.gpu_memory,
+        "largest_micro_batch": plan.largest_micro_batches[row.strategy],
+    }
+
+
+def plan_dict(plan: Plan) -> dict[str, Any]:
+    """The plan for ``--json``: bytes as integers, per GPU unless named otherwise."""
+    inputs = plan.inputs
+    activations = plan.activations
+    return {
+        "model": {
+            "name": inputs.model.name,
+            "source": inputs.model.source,
+            "num_params": inputs.model.num_params,
+        },
+        "inputs": {
+            "gpus_per_node": inputs.gpus_per_node,
+            "nodes": inputs.nodes,
+            "world_size": inputs.world_size,
+            "gpu_memory_bytes": inputs.gpu_memory,
+            "usable_bytes": round(inputs.usable),
+            "headroom": inputs.headroom,
+            "reserve_bytes": inputs.reserve,
+            "precision": inputs.precision,
+            "optimizer": inputs.optimizer,
+            "micro_batch": inputs.micro_batch,
+            "seq_len": inputs.seq_len,
+            "activation_checkpointing": inputs.activation_checkpointing,
+            "attention": inputs.attention,
+        },
+        "activations": None
+        if activations is None
+        else {
+            "method": activations.method,
+            "note": activations.note,
+            "bytes_at_micro_batch_1": round(activations.at(1)),
+            "bytes_per_sample_from_2": round(sum(activations.per_sample.values())),
+        },
+        "settings": plan.settings,
+        "strategies": [_row_dict(row, plan) for row in plan.rows],
+        "recommendation": {
+            "strategy": plan.recommended,
+            "reason": plan.reason,
+            "largest_micro_batch": plan.largest_micro_batches[plan.recommended],
+        },
+        "not_counted": list(NOT_COUNTED),
+    }

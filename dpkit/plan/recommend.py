@@ -1,0 +1,166 @@
+"""The plan: every strategy's estimate, and the least sharding that fits.
+
+:func:`make_plan` estimates each strategy of :data:`dpkit.strategy.STRATEGIES`
+(least sharding first) with :func:`dpkit.plan.estimate.estimate`, recommends the
+first that fits, and says why in a sentence or two; when none fits it raises a
+one-line :class:`~dpkit.errors.UsageError` that names the flag to change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpkit.errors import UsageError
+from dpkit.plan.activations import ActivationProfile, activation_profile
+from dpkit.plan.estimate import (
+    StrategyEstimate,
+    buffer_settings,
+    estimate,
+    largest_micro_batch,
+)
+from dpkit.plan.inputs import GIB, PlanInputs
+from dpkit.strategy import STRATEGIES, Strategy, get_strategy
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every strategy's estimate, and the recommendation."""
+
+    inputs: PlanInputs
+    """What was asked."""
+    activations: ActivationProfile | None
+    """How activations were estimated (None: not estimated)."""
+    settings: dict[str, Any]
+    """DDP/ZeRO buffer settings assumed."""
+    rows: list[StrategyEstimate]
+    """One estimate per strategy, in the order of :data:`dpkit.strategy.STRATEGIES`."""
+    largest_micro_batches: dict[str, int | None]
+    """Per strategy name, the largest micro-batch that fits (None: unknown)."""
+    recommended: str
+    """The name of the least sharding that fits at the requested micro-batch."""
+    reason: str
+    """Why, in a sentence or two."""
+
+    def row(self, strategy: str | Strategy) -> StrategyEstimate:
+        """The estimate of ``strategy`` (a Strategy or its name)."""
+        name = get_strategy(strategy).name
+        return next(r for r in self.rows if r.strategy == name)
+
+    def fits(self, row: StrategyEstimate) -> bool:
+        """Whether ``row`` can run and fits in the usable memory per GPU."""
+        return row.applicable and row.total <= self.inputs.usable
+
+
+def format_gib(value: float) -> str:
+    """Bytes as GiB with one decimal: ``5.3 GiB``."""
+    return f"{value / GIB:.1f} GiB"
+
+
+def _why(strategy: Strategy, row: StrategyEstimate, inputs: PlanInputs) -> str:
+    """What choosing ``strategy`` buys and costs, from what it shards."""
+    n = inputs.world_size
+    if strategy.offload:
+        return (
+            "Offload keeps ZeRO-2's sharding and moves optimizer state, master weights and fp32 "
+            f"gradients to host memory ({format_gib(row.host_offload)} per GPU, "
+            f"{format_gib(row.host_offload * inputs.gpus_per_node)} per node); the optimizer "
+            "step runs on the CPU and gradients and weights cross PCIe every step, so steps "
+            "slow down."
+        )
+    if strategy.zero_stage == 0:
+        return (
+            f"{strategy.label} fits ({format_gib(row.total)} of {format_gib(inputs.usable)} "
+            "usable): nothing needs sharding, and ZeRO would add a DeepSpeed engine and sharded "
+            "checkpoints for memory that is not needed."
+        )
+    if strategy.zero_stage == 1:
+        return (
+            f"{strategy.label} shards optimizer state and master weights {n} ways at DDP's "
+            "communication volume (ZeRO paper: 2x parameters per step): the least sharding "
+            "that fits."
+        )
+    if strategy.zero_stage == 2:
+        return (
+            f"{strategy.label} also shards gradients {n} ways (reduce-scatter during backward, "
+            "still DDP's volume): the least sharding that fits."
+        )
+    return (
+        "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
+        "backward (1.5x DDP's communication). dpkit's recipes stop at ZeRO-2; ZeRO-3 needs a "
+        "DeepSpeed config of your own."
+    )
+
+
+def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: PlanInputs) -> str:
+    """Why ``chosen``: the strategies before it that need too much, then what it does."""
+    strategy = get_strategy(chosen.strategy)
+    if inputs.optimizer == "cpu_adam" and strategy.offload:
+        prefix = "--optimizer cpu_adam runs only with optimizer offload. "
+    else:
+        skipped = rows[: rows.index(chosen)]
+        too_big = [f"{r.label} needs {format_gib(r.total)}" for r in skipped if r.applicable]
+        usable = format_gib(inputs.usable)
+        prefix = f"{'; '.join(too_big)}, over the {usable} usable per GPU. " if too_big else ""
+    return prefix + _why(strategy, chosen, inputs)
+
+
+def _nothing_fits(inputs: PlanInputs, rows: list[StrategyEstimate]) -> UsageError:
+    """The one-line error when no strategy fits: the flag to change, and by how much."""
+    smallest = min((r for r in rows if r.applicable), key=lambda r: r.total)
+    need = (
+        f"the smallest need is {smallest.label} at {format_gib(smallest.total)} per GPU "
+        f"against {format_gib(inputs.usable)} usable ({format_gib(inputs.gpu_memory)} less "
+        f"{inputs.headroom:.0%} headroom)"
+    )
+    before_activations = smallest.model_states + smallest.buffers + smallest.reserve + smallest.step
+    machines = f"{inputs.world_size} x {format_gib(inputs.gpu_memory)}"
+    if smallest.activations and before_activations <= inputs.usable:
+        return UsageError(
+            f"--micro-batch={inputs.micro_batch}: fits under no strategy on {machines}; {need}; "
+            "lower --micro-batch or --seq-len, or add --activation-checkpointing"
+        )
+    return UsageError(
+        f"--{'model' if inputs.model.source != 'count' else 'params'}={inputs.model.name!r}: "
+        f"fits under no strategy on {machines} even before activations; {need}; use more GPUs "
+        "or GPUs with more memory"
+    )
+
+
+def make_plan(inputs: PlanInputs) -> Plan:
+    """Estimate every strategy and pick the least sharding that fits.
+
+    Raises UsageError when nothing fits at the requested micro-batch.
+    """
+    activations = activation_profile(
+        inputs.model,
+        inputs.seq_len,
+        inputs.precision,
+        inputs.activation_checkpointing,
+        inputs.attention,
+        inputs.activation_method,
+    )
+    settings = buffer_settings(inputs.model, inputs.world_size)
+    rows = [
+        estimate(inputs, strategy, inputs.micro_batch, activations, settings)
+        for strategy in STRATEGIES.values()
+    ]
+    fitting = [r for r in rows if r.applicable and r.total <= inputs.usable]
+    if not fitting:
+        raise _nothing_fits(inputs, rows)
+    largest = {
+        r.strategy: largest_micro_batch(inputs, r.strategy, activations, settings)
+        if r.applicable
+        else None
+        for r in rows
+    }
+    chosen = fitting[0]
+    return Plan(
+        inputs=inputs,
+        activations=activations,
+        settings=settings,
+        rows=rows,
+        largest_micro_batches=largest,
+        recommended=chosen.strategy,
+        reason=_reason(rows, chosen, inputs),
+    )

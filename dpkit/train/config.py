@@ -1,0 +1,157 @@
+"""The flags every dpkit recipe shares (:class:`StrategyConfig`), and the command-line parser.
+
+Every check that can be made before a process group starts is made here, so
+bad input costs one line and exit code 2, never a half-started job.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import NoReturn
+
+from dpkit.errors import EXIT_USAGE, UsageError, check_field
+from dpkit.strategy import RUNNABLE
+
+STRATEGY_CHOICES = ("auto", *(strategy.name for strategy in RUNNABLE))
+PRECISION_CHOICES = ("no", "bf16", "fp16")
+
+
+def check_choice(cfg: object, field_name: str, choices: tuple[str, ...]) -> None:
+    """The command line checks choices itself; this covers configs built in code."""
+    value = getattr(cfg, field_name)
+    check_field(value in choices, field_name, value, f"not one of {', '.join(choices)}")
+
+
+# A collective that does not complete within this time fails the job instead of hanging
+# it (torch's and DeepSpeed's default is 30 minutes); --collective-timeout.
+DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
+
+
+@dataclass
+class StrategyConfig:
+    """How the run is distributed and at what precision: the flags every dpkit recipe shares."""
+
+    strategy: str = field(
+        default="auto",
+        metadata={
+            "help": "ddp, zero1 or zero2; auto takes it from the launcher (DeepSpeed config) "
+            "or falls back to ddp.",
+            "choices": STRATEGY_CHOICES,
+        },
+    )
+    """Data-parallel strategy; ``auto`` follows the launcher."""
+    deepspeed: str | None = field(
+        default=None,
+        metadata={"help": "DeepSpeed JSON (as `deepspeed ... --deepspeed ds_configs/zero2.json`)."},
+    )
+    """DeepSpeed JSON config; its ``"auto"`` values are filled from these arguments."""
+    mixed_precision: str | None = field(
+        default=None,
+        metadata={
+            "help": "no, bf16 (CPU and GPU) or fp16 (GPU). Default: the launcher's, else no.",
+            "choices": PRECISION_CHOICES,
+        },
+    )
+    """Mixed precision; ``None`` takes the launcher's setting."""
+
+    collective_timeout: float = field(
+        default=DEFAULT_COLLECTIVE_TIMEOUT_S,
+        metadata={
+            "help": "Seconds a collective may wait for the other ranks before the job fails "
+            "(a hung or stopped rank)."
+        },
+    )
+    """Process-group timeout (torch's and DeepSpeed's default is 30 minutes)."""
+
+    def __post_init__(self) -> None:
+        check_field(
+            0 < self.collective_timeout < float("inf"),
+            "collective_timeout",
+            self.collective_timeout,
+            "must be > 0 seconds",
+        )
+        check_choice(self, "strategy", STRATEGY_CHOICES)
+        if self.mixed_precision is not None:
+            check_choice(self, "mixed_precision", PRECISION_CHOICES)
+        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
+            raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
+        if self.deepspeed is not None and self.strategy == "ddp":
+            raise UsageError(
+                f"--strategy=ddp conflicts with --deepspeed={self.deepspeed!r}: drop one of them"
+            )
+
+
+def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
+    """Parse a command line into ``config_classes`` (dataclasses, validated when built) with
+    transformers' ``HfArgumentParser``.
+
+    Bad input (argparse's own errors, a misspelled flag, a value a dataclass refuses)
+    prints one line naming the flag and its value, from rank 0 only (every rank parses
+    the same line), and exits with code 2, before anything starts. ``--local_rank=N``,
+    which the ``deepspeed`` launcher appends, is dropped (``LOCAL_RANK`` carries it).
+    """
+    from transformers import HfArgumentParser
+
+    class OneLineParser(HfArgumentParser):
+        """argparse prints its whole usage before an error; ours is one line."""
+
+        def error(self, message: str) -> NoReturn:
+            raise UsageError(message)
+
+    parser = OneLineParser(config_classes)
+    argv = _without_local_rank(sys.argv[1:] if argv is None else argv)
+    try:
+        _, remaining = parser.parse_known_args(args=argv)
+        if remaining:
+            raise _unknown_argument(remaining, config_classes)
+        return tuple(parser.parse_args_into_dataclasses(args=argv))
+    except UsageError as err:
+        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
+            print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+        raise SystemExit(EXIT_USAGE) from None
+
+
+def _without_local_rank(argv: list[str]) -> list[str]:
+    """``argv`` without the deepspeed launcher's ``--local_rank=N`` / ``--local_rank N``."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg.replace("-", "_") == "__local_rank":
+            skip = True
+        elif not arg.replace("-", "_").startswith("__local_rank="):
+            kept.append(arg)
+    return kept
+
+
+def _unknown_argument(remaining: list[str], config_classes: tuple[type, ...]) -> UsageError:
+    """What HfArgumentParser would raise as a bare ValueError, with the closest flag."""
+    flag, _, value = remaining[0].partition("=")
+    if not flag.startswith("-"):
+        return UsageError(f"{flag!r}: unexpected argument (flags take the form --name value)")
+    if not value and len(remaining) > 1 and not remaining[1].startswith("-"):
+        value = remaining[1]
+    flags = [f"--{f.name.replace('_', '-')}" for cls in config_classes for f in fields(cls)]
+    close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1)
+    hint = f"; did you mean {close[0]}?" if close else ""
+    shown = f"{flag}={value}" if value else flag
+    return UsageError(f"{shown}: not a flag of this recipe{hint}")
+
+
+def config_dict(*configs: object) -> dict:
+    """All fields of the given dataclasses, for the run directory."""
+    merged: dict = {}
+    for cfg in configs:
+        merged[type(cfg).__name__] = asdict(cfg)
+    merged["argv"] = sys.argv
+    merged["launcher_env"] = {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        or k.startswith("ACCELERATE_")
+    }
+    return merged

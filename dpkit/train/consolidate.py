@@ -1,0 +1,140 @@
+"""``dpkit consolidate``: a checkpoint to a Hugging Face model folder (fp32, safetensors).
+
+Takes either
+* a dpkit checkpoint (``<run>/checkpoints/step-*``): verified against its manifest,
+  then its model files are copied (they are consolidated already); or
+* a DeepSpeed ZeRO checkpoint (what ``engine.save_checkpoint`` or accelerate's
+  ``save_state`` writes under DeepSpeed): DeepSpeed's own ``zero_to_fp32`` merges the
+  shards of every rank into fp32 weights, loaded into the architecture of ``--model``.
+
+The result loads with ``from_pretrained`` in a process without DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+from pathlib import Path
+
+from dpkit.errors import UsageError
+
+# What a dpkit checkpoint holds beyond the Hugging Face model folder.
+_TRAINING_STATE = {"optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json", "manifest.json"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "checkpoint", help="a dpkit checkpoint folder, or a DeepSpeed checkpoint folder"
+    )
+    parser.add_argument("--output-dir", required=True, help="where to write the model folder")
+    parser.add_argument(
+        "--model",
+        help="DeepSpeed checkpoints: the model the run trained (Hub name or folder), for its "
+        "architecture, config and tokenizer",
+    )
+    parser.add_argument(
+        "--tag",
+        help="DeepSpeed checkpoints: the tag folder to read (default: the one named in 'latest')",
+    )
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing non-empty --output-dir"
+    )
+
+
+def _deepspeed_tag(checkpoint: Path, tag: str | None) -> str:
+    """The tag to read; refused in one line where DeepSpeed would return None or guess."""
+    tags = sorted(
+        p.name for p in checkpoint.iterdir() if p.is_dir() and list(p.glob("*optim_states.pt"))
+    )
+    if not tags:
+        raise UsageError(
+            f"checkpoint={str(checkpoint)!r}: neither a dpkit checkpoint (manifest.json) nor a "
+            "DeepSpeed one (no <tag>/*optim_states.pt)"
+        )
+    if tag is None:
+        latest = checkpoint / "latest"
+        if not latest.is_file():
+            raise UsageError(
+                f"checkpoint={str(checkpoint)!r}: no 'latest' file; pass --tag (one of: "
+                f"{', '.join(tags)})"
+            )
+        tag = latest.read_text().strip()
+    if tag not in tags:
+        raise UsageError(f"--tag={tag!r}: not in {str(checkpoint)!r} (found: {', '.join(tags)})")
+    return tag
+
+
+def _model_for(state_dict: dict, config, model: str):
+    """The architecture whose parameters are exactly the checkpoint's: the config's own,
+    or a task head on it (a classifier fine-tuned from an encoder-only checkpoint)."""
+    import torch
+    import transformers
+
+    candidates = [getattr(transformers, a) for a in (config.architectures or [])]
+    classifier = [v for k, v in state_dict.items() if k.startswith(("classifier.", "score."))]
+    if classifier:
+        config.num_labels = classifier[0].shape[0]
+        candidates.append(transformers.AutoModelForSequenceClassification)
+    candidates += [transformers.AutoModelForCausalLM, transformers.AutoModel]
+    for candidate in candidates:
+        build = getattr(candidate, "from_config", None) or candidate
+        try:
+            with torch.device("meta"):
+                probe = build(config)
+        except ValueError:  # this auto class has no mapping for the config
+            continue
+        tied = set(getattr(probe, "_tied_weights_keys", None) or [])
+        expected = set(probe.state_dict())
+        missing = expected - set(state_dict) - tied
+        if not missing and set(state_dict) <= expected:
+            return build(config).float()
+    raise UsageError(
+        f"--model={model!r}: no architecture of its config matches the checkpoint's "
+        f"{len(state_dict)} tensors (e.g. {sorted(state_dict)[:2]})"
+    )
+
+
+def consolidate(checkpoint: Path, output_dir: Path, *, model: str | None, tag: str | None) -> str:
+    """Write the model folder; returns a one-line description of what was done."""
+    from dpkit.train.checkpoint import verify_checkpoint
+
+    if (checkpoint / "manifest.json").is_file():
+        state = verify_checkpoint(checkpoint, flag="checkpoint")
+        output_dir.mkdir(parents=True, exist_ok=True)
+        for file in checkpoint.iterdir():
+            if file.is_file() and file.name not in _TRAINING_STATE:
+                shutil.copy2(file, output_dir / file.name)
+        return f"dpkit checkpoint at step {state.step} ({state.strategy}, {state.world_size} processes)"
+
+    tag = _deepspeed_tag(checkpoint, tag)
+    if model is None:
+        raise UsageError("--model: required for a DeepSpeed checkpoint (its architecture)")
+    import transformers
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from dpkit.models import load_model_config
+
+    model_path, config = load_model_config(model)
+    state_dict = get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag=tag)
+    module = _model_for(state_dict, config, model)
+    module.load_state_dict(state_dict, strict=False)
+    module.save_pretrained(output_dir, safe_serialization=True)
+    # A model without a tokenizer gets weights and config only.
+    with contextlib.suppress(OSError, ValueError):
+        transformers.AutoTokenizer.from_pretrained(model_path).save_pretrained(output_dir)
+    return f"DeepSpeed checkpoint {tag}, {len(state_dict)} tensors, as {type(module).__name__}"
+
+
+def main(args: argparse.Namespace) -> int:
+    checkpoint = Path(args.checkpoint)
+    output_dir = Path(args.output_dir)
+    if not checkpoint.is_dir():
+        raise UsageError(f"checkpoint={args.checkpoint!r}: no such folder")
+    if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite:
+        raise UsageError(
+            f"--output-dir={args.output_dir!r}: not empty; pass --overwrite or choose another"
+        )
+    what = consolidate(checkpoint, output_dir, model=args.model, tag=args.tag)
+    print(f"dpkit consolidate: {what} -> {output_dir} (fp32, safetensors)")
+    return 0

@@ -1,0 +1,178 @@
+"""DeepSpeed JSON: read and checked (one-line errors), then resolved in one pass.
+
+A template (``ds_configs/zero2.json``, or the user's own) may leave values
+``"auto"`` or out altogether; :func:`fill_deepspeed_config` resolves all of them
+at once from the run's own settings, so that:
+
+* the batch identity holds by construction:
+  ``train_batch_size = micro_batch x gradient_accumulation x world_size``;
+* clipping, precision and a JSON optimizer's lr/decay are the run's;
+* the ZeRO memory settings (buckets, ``contiguous_gradients``, ``overlap_comm``...)
+  are sized to the model (:mod:`dpkit.memory.settings`) where the JSON leaves them
+  ``"auto"`` or out; a value the user wrote stays.
+
+A value the user wrote that contradicts the run is refused, naming both.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from dpkit.errors import UsageError
+from dpkit.memory.settings import ZERO_MEMORY_KEYS
+
+
+class _DuplicateKeyError(ValueError):
+    pass
+
+
+def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    """``json`` keeps the last of two equal keys; DeepSpeed would see one value of two."""
+    config: dict = {}
+    for key, value in pairs:
+        if key in config:
+            raise _DuplicateKeyError(
+                f"{key}={json.dumps(config[key])} and {key}={json.dumps(value)}: "
+                "the key is given twice; keep one"
+            )
+        config[key] = value
+    return config
+
+
+def read_ds_config(path: str) -> dict:
+    """The JSON as written, refused (one line) if it is malformed or has a key DeepSpeed
+    would ignore or reject (:mod:`dpkit.train.ds_config_keys`)."""
+    from dpkit.train.ds_config_keys import check_ds_config_keys
+
+    where = f"deepspeed config {path!r}"
+    try:
+        with open(path) as f:
+            config = json.load(f, object_pairs_hook=_refuse_duplicate_keys)
+    except FileNotFoundError:
+        raise UsageError(f"{where}: no such file") from None
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{where}: not valid JSON ({err})") from None
+    except _DuplicateKeyError as err:
+        raise UsageError(f"{where}: {err}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{where}: must be a JSON object")
+    check_ds_config_keys(config, where)
+    return config
+
+
+def zero_stage_of(config: Mapping, path: str) -> int:
+    """``zero_optimization.stage``; dpkit runs stages 1 and 2."""
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage") if isinstance(zero, dict) else None
+    if isinstance(stage, bool) or stage not in (1, 2):
+        raise UsageError(
+            f"deepspeed config {path!r}: zero_optimization.stage={stage!r}; dpkit supports 1 and 2"
+        )
+    return stage
+
+
+def _set_if_auto(config: dict, key: str, value: Any, where: str, why: str = "") -> None:
+    """Fill ``"auto"`` (or a missing key); a value the user wrote must equal the run's."""
+    current = config.get(key, "auto")
+    if current == "auto":
+        config[key] = value
+    elif current != value:
+        raise UsageError(
+            f"deepspeed config {where}{key}={current!r} disagrees with the recipe's {value!r}"
+            f'{why}: set it to "auto" or change the recipe flag'
+        )
+
+
+def fill_deepspeed_config(
+    template: Mapping,
+    *,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int,
+    world_size: int,
+    max_grad_norm: float,
+    precision: str,
+    zero_settings: Mapping[str, Any],
+    learning_rate: float | None = None,
+    weight_decay: float | None = None,
+) -> dict:
+    """The template with every ``"auto"`` resolved; the template itself is not modified.
+
+    Args:
+        template: the JSON as read (:func:`read_ds_config`).
+        micro_batch_size, gradient_accumulation_steps, world_size: the run's batch layout.
+        max_grad_norm: DeepSpeed's ``gradient_clipping`` (it clips inside its step; 0: off).
+        precision: ``no``, ``bf16`` or ``fp16`` (accelerate's names).
+        zero_settings: the model-sized ``zero_optimization`` values
+            (:func:`dpkit.memory.settings.zero_memory_settings`), applied where the
+            template leaves a key of :data:`ZERO_MEMORY_KEYS` out or ``"auto"``.
+        learning_rate, weight_decay: for a JSON ``optimizer`` section that leaves them
+            ``"auto"`` (None: such a section is refused, there is nothing to fill it with).
+    """
+    config = copy.deepcopy(dict(template))
+    _set_if_auto(config, "train_micro_batch_size_per_gpu", micro_batch_size, "")
+    _set_if_auto(config, "gradient_accumulation_steps", gradient_accumulation_steps, "")
+    _set_if_auto(
+        config,
+        "train_batch_size",
+        micro_batch_size * gradient_accumulation_steps * world_size,
+        "",
+        f" (micro_batch {micro_batch_size} x accumulation {gradient_accumulation_steps} "
+        f"x world_size {world_size})",
+    )
+    _set_if_auto(config, "gradient_clipping", float(max_grad_norm), "")
+    for name in ("bf16", "fp16"):
+        section = config.setdefault(name, {})
+        _set_if_auto(section, "enabled", precision == name, f"{name}.")
+        if not section["enabled"]:
+            # DeepSpeed reads fp16's loss-scaling keys only when fp16 is on.
+            config[name] = {"enabled": False}
+
+    # Left out or "auto": sized to the model, not DeepSpeed's 5e8-element defaults (1.9 GiB
+    # per bucket in fp32; dpkit.memory.settings.REASONS).
+    zero = config.setdefault("zero_optimization", {})
+    for key in ZERO_MEMORY_KEYS:
+        if zero.get(key, "auto") == "auto" and key in zero_settings:
+            zero[key] = zero_settings[key]
+
+    params = config.get("optimizer", {}).get("params")
+    if isinstance(params, dict):
+        for key, value in (("lr", learning_rate), ("weight_decay", weight_decay)):
+            if key in params and value is not None:
+                _set_if_auto(params, key, value, "optimizer.params.")
+
+    leftover = [path for path, value in _leaves(config) if value == "auto"]
+    if leftover:
+        raise UsageError(f'deepspeed config: dpkit cannot fill {", ".join(leftover)}="auto"')
+    return config
+
+
+def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip("."), node
+
+
+def skip_deepspeed_cpu_shm_op() -> None:
+    """Keep DeepSpeed's CPU backend from building and mapping its shared-memory all-reduce.
+
+    Training never calls it (only ``inference_all_reduce`` does), yet under the
+    ``deepspeed`` launcher it JIT-compiles a C++ op on first use and writes a 66 MB
+    ``/dev/shm/deepspeed_allreduce_buffer_*`` segment per rank that it never unlinks.
+    Measured here: leaked segments filled a 24 GiB machine's RAM, a rank was killed
+    while holding the compile lock, and every later DeepSpeed run hung in its init.
+    Call before DeepSpeed's comm backend starts.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu":
+        return
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        # DeepSpeed's own switch: an op marked incompatible is never built or loaded.
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False

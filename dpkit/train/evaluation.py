@@ -1,0 +1,49 @@
+"""Evaluating a classifier on every rank: accuracy and F1 from ``evaluate`` metric modules shipped with dpkit.
+
+The metric modules are read from the package (``dpkit/metrics``), not the Hub,
+so evaluation works offline. ``gather_for_metrics`` drops the samples the last
+uneven batch duplicates across ranks, so 1 and N processes count every sample once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dpkit.resources import metric_dir
+
+
+class ClassifierMetrics:
+    """Accuracy and F1 for a classifier with ``num_labels`` classes.
+
+    F1 averages by the label set, not by the labels a split happens to contain:
+    binary for two classes, macro otherwise.
+    """
+
+    def __init__(self, num_labels: int) -> None:
+        import evaluate
+
+        self.num_labels = num_labels
+        self.average = "binary" if num_labels == 2 else "macro"
+        self.accuracy = evaluate.load(str(metric_dir("accuracy")))
+        self.f1 = evaluate.load(str(metric_dir("f1")))
+
+    def evaluate(self, accelerator: Any, model: Any, loader: Any) -> dict[str, float]:
+        """Predict ``loader`` on every rank (a collective) and score it; the model is left
+        in training mode."""
+        import torch
+
+        model.eval()
+        predictions, references = [], []
+        for batch in loader:
+            with torch.no_grad():
+                logits = model(**batch).logits
+            preds, labels = accelerator.gather_for_metrics((logits.argmax(dim=-1), batch["labels"]))
+            predictions += preds.tolist()
+            references += labels.tolist()
+        model.train()
+        result: dict[str, float] = {"samples": len(references)}
+        result.update(self.accuracy.compute(predictions=predictions, references=references))
+        result.update(
+            self.f1.compute(predictions=predictions, references=references, average=self.average)
+        )
+        return result

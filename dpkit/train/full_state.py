@@ -1,0 +1,173 @@
+"""The full training state of a run, from DDP or ZeRO alike: fp32 weights and Adam moments per parameter name.
+
+Under ZeRO each rank holds a partition of the fp32 master weights and of the
+optimizer state; these functions gather them per parameter with DeepSpeed's
+tensor-fragment API (the mechanism of its universal checkpoint) and put them back
+re-sharded for another strategy or world size. Under DDP the module's parameters
+and the torch optimizer's state are read directly. Gathering is a collective:
+every rank calls; the result exists on the main process.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+FORMAT_VERSION = 1
+
+
+def _zero_optimizer(optimizer) -> Any | None:
+    """DeepSpeed's ZeRO optimizer behind accelerate's wrapper, or None under DDP."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    return inner if hasattr(inner, "single_partition_of_fp32_groups") else None
+
+
+def _torch_optimizer(optimizer):
+    """The torch optimizer that holds the param groups (and, under DDP, the state)."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    zero = _zero_optimizer(optimizer)
+    return zero.optimizer if zero is not None else inner
+
+
+def full_fp32_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
+    """The model's state_dict with every parameter at full size in fp32, on CPU, on the
+    main process (None elsewhere). Under ZeRO the fp32 master copies are gathered (a
+    collective: every rank must call this); under DDP the parameters are read."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    module = accelerator.unwrap_model(model)
+    gathered = {}
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        if accelerator.is_main_process:  # a copy: the live parameters keep training
+            gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
+    if not accelerator.is_main_process:
+        return None
+    # Buffers come from the module itself; floating tensors are stored in fp32.
+    return {
+        name: (value.to("cpu", torch.float32) if value.is_floating_point() else value.cpu())
+        for name, value in {**module.state_dict(), **gathered}.items()
+    }
+
+
+def save_model(accelerator, model, path: str | Path, tokenizer=None) -> None:
+    """The model as a Hugging Face folder in fp32 (ZeRO shards consolidated), written
+    by the main process; a collective (every rank must call it)."""
+    weights = full_fp32_state_dict(accelerator, model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(
+            path, state_dict=weights, safe_serialization=True
+        )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+
+def _relink_zero_moments(zero, torch_opt) -> None:
+    """Point every parameter's fragment at its slice of the flat Adam moments.
+
+    DeepSpeed links them once, right after the first group's step, while the later
+    param groups have no state yet; with two groups (decay / no decay) the second
+    group's parameters stay unlinked (measured with DeepSpeed 0.19.8).
+    """
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+        lazy_init_hp_params_optimizer_state(zero.bit16_groups[i], hp_partition, torch_opt.state)
+
+
+def full_optimizer_state(accelerator, model, optimizer) -> dict | None:
+    """Adam moments per parameter name at full size (gathered under ZeRO; collective)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    module = accelerator.unwrap_model(model)
+    torch_opt = _torch_optimizer(optimizer)
+    zero = _zero_optimizer(optimizer)
+    moments: dict[str, dict[str, torch.Tensor]] = {}
+    steps = [
+        float(s["step"]) for s in torch_opt.state.values() if isinstance(s, dict) and "step" in s
+    ]
+    has_state = bool(steps)
+    if zero is not None:
+        # Every rank decides the same way (the step has run on every rank or on none).
+        has_state = bool(getattr(zero, "_hp_optimizer_states_linked", False))
+    if has_state and zero is not None:
+        _relink_zero_moments(zero, torch_opt)
+    if has_state:
+        for name, param in module.named_parameters():
+            entry = {}
+            for key in ADAM_MOMENTS:
+                value = (
+                    safe_get_full_optimizer_state(param, key)
+                    if zero is not None
+                    else torch_opt.state[param][key]
+                )
+                if accelerator.is_main_process:
+                    entry[key] = value.to("cpu", torch.float32).clone()
+            moments[name] = entry
+    if not accelerator.is_main_process:
+        return None
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(steps[0]) if steps else 0,
+        "moments": moments,
+        "param_group_lrs": [float(g["lr"]) for g in torch_opt.param_groups],
+    }
+
+
+def load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
+    """Put consolidated moments back, re-sharded for this run's strategy and world size."""
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    module = accelerator.unwrap_model(model)
+    torch_opt = _torch_optimizer(optimizer)
+    zero = _zero_optimizer(optimizer)
+    for group, lr in zip(torch_opt.param_groups, saved["param_group_lrs"], strict=True):
+        group["lr"] = lr
+    moments = saved["moments"]
+    if not moments:
+        return
+    named = dict(module.named_parameters())
+    missing = sorted(set(named) - set(moments))
+    if missing:
+        raise RuntimeError(f"checkpoint has no optimizer state for {missing[:3]}")
+    step = torch.tensor(float(saved["step"]))
+    if zero is None:
+        for name, param in named.items():
+            torch_opt.state[param] = {
+                "step": step.clone(),
+                **{k: moments[name][k].to(param.device, param.dtype) for k in ADAM_MOMENTS},
+            }
+        return
+    # ZeRO: each rank keeps the slice of every moment that falls in its partition,
+    # then DeepSpeed assembles its flat state from those fragments (the same path as
+    # its universal-checkpoint load).
+    name_of = {id(p): n for n, p in named.items()}
+    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+        for lp in zero.bit16_groups[i]:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            address = mapping.lp_fragment_address
+            if mapping.optim_fragment is None:  # no step has run yet in this process
+                mapping.optim_fragment = {}
+            for key in ADAM_MOMENTS:
+                full = moments[name_of[id(lp)]][key].flatten()
+                mapping.optim_fragment[key] = full.narrow(0, address.start, address.numel).to(
+                    hp_partition.device, hp_partition.dtype
+                )
+        torch_opt.state[hp_partition]["step"] = step.clone()
+        map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
+    zero._hp_optimizer_states_linked = True
+
+
+def load_fp32_masters(accelerator, model, weights: dict[str, torch.Tensor]) -> None:
+    """Under ZeRO, set the fp32 master copies exactly (the module was loaded from the
+    same weights, but a bf16 module would have rounded them)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, param in accelerator.unwrap_model(model).named_parameters():
+        if hasattr(param, "_hp_mapping"):
+            safe_set_full_fp32_param(param, weights[name].to(param.device))

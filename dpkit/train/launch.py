@@ -1,0 +1,181 @@
+"""What the launcher asked for: the strategy and precision, from the flags and the launcher's environment.
+
+Pure functions of their arguments (the environment is one of them), called before
+any process group exists, so every conflict is a one-line
+:class:`~dpkit.errors.UsageError`. What they work around (measured, see
+``../shared/STACK-NOTES.md``):
+
+* ``accelerate launch --cpu --num_processes N`` starts one process: refused with
+  the launch form to use instead.
+* ``accelerate launch --use_fsdp``: dpkit runs DDP and ZeRO, refused.
+* A strategy flag that contradicts the launcher (``--strategy ddp`` under a ZeRO
+  config, ``--strategy zero1`` with ``--deepspeed zero2.json``, a ZeRO flag under an
+  accelerate config without DeepSpeed) is refused rather than one of them winning.
+* DeepSpeed settings an accelerate YAML gives (accumulation, clipping, offload):
+  honoured where they agree with the run, refused where they do not (accelerate
+  would otherwise drop them without a word beside a DeepSpeed config file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from dpkit import resources
+from dpkit.errors import UsageError
+from dpkit.strategy import DDP, Strategy, deepspeed_strategy, get_strategy
+from dpkit.train.deepspeed_config import read_ds_config, zero_stage_of
+
+PRECISIONS = ("no", "bf16", "fp16")
+# DeepSpeed settings an accelerate YAML or flag can give (the launcher passes them as
+# environment variables), which dpkit takes from the run's own flags instead.
+_OFFLOAD_SETTINGS = {
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "offload_optimizer_device",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "offload_param_device",
+}
+
+
+@dataclass(frozen=True)
+class StrategyChoice:
+    """What will run, decided from the recipe flags and the launcher's environment."""
+
+    strategy: Strategy
+    """The strategy."""
+    source: str
+    """Where the choice came from, for the log (a flag, a launcher, a config file)."""
+    ds_config_path: str | None
+    """The DeepSpeed JSON the config was read from (ZeRO only)."""
+    ds_template: dict | None
+    """That JSON as read, ``"auto"`` values still in it (ZeRO only)."""
+    expected_world_size: int
+    """Processes the launcher started (``WORLD_SIZE``), checked once the group is up."""
+
+
+def check_launcher(env: Mapping[str, str]) -> None:
+    """Refuse launch forms that would silently run something else than asked."""
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
+        raise UsageError(
+            "accelerate launch --use_fsdp: dpkit runs DDP, ZeRO-1 and ZeRO-2, not FSDP"
+        )
+    # accelerate's simple launcher sets MASTER_PORT when more than one process was
+    # asked for, but starts only one and sets no RANK.
+    simple_launcher = "ACCELERATE_USE_CPU" in env and "RANK" not in env
+    if simple_launcher and "MASTER_PORT" in env and "WORLD_SIZE" not in env:
+        raise UsageError(
+            "accelerate launch --cpu --num_processes N starts a single process; use "
+            "`accelerate launch --multi_gpu --num_processes N` (dpkit runs it on CPU with gloo) "
+            "or --config_file ds_configs/accelerate/ddp.yaml"
+        )
+
+
+def resolve_strategy(
+    strategy_flag: str, deepspeed_flag: str | None, env: Mapping[str, str]
+) -> StrategyChoice:
+    """Decide the strategy from ``--strategy``, ``--deepspeed`` and the launcher.
+
+    The launcher's choice (an accelerate DeepSpeed config, or ``--deepspeed`` given to
+    the recipe by the deepspeed launcher) and ``--strategy`` must agree; ``--strategy
+    auto`` follows the launcher and falls back to DDP.
+    """
+    check_launcher(env)
+    world_size = int(env.get("WORLD_SIZE", "1"))
+
+    launcher_path: str | None = None
+    launcher_source = ""
+    if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        launcher_path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+        launcher_source = "accelerate launch (DeepSpeed)"
+        if launcher_path is None:
+            stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+            if stage not in (1, 2):
+                raise UsageError(
+                    f"accelerate launch --zero_stage {stage}: dpkit supports ZeRO stages 1 and 2"
+                )
+            launcher_path = str(resources.deepspeed_config(deepspeed_strategy(stage).name))
+    accelerate_without_ds = "ACCELERATE_DYNAMO_BACKEND" in env and not launcher_source
+
+    if deepspeed_flag is not None:
+        if launcher_path is not None:
+            flag_stage = zero_stage_of(read_ds_config(deepspeed_flag), deepspeed_flag)
+            launcher_stage = zero_stage_of(read_ds_config(launcher_path), launcher_path)
+            if flag_stage != launcher_stage:
+                raise UsageError(
+                    f"--deepspeed={deepspeed_flag!r} is ZeRO-{flag_stage} but {launcher_source} "
+                    f"is ZeRO-{launcher_stage}: drop one of them"
+                )
+        launcher_path, launcher_source = deepspeed_flag, f"--deepspeed {deepspeed_flag}"
+
+    if launcher_path is not None:
+        template = read_ds_config(launcher_path)
+        launched = deepspeed_strategy(zero_stage_of(template, launcher_path))
+        if strategy_flag not in ("auto", launched.name):
+            raise UsageError(
+                f"--strategy={strategy_flag} conflicts with {launcher_source} "
+                f"({launched.name}): drop one of them"
+            )
+        return StrategyChoice(launched, launcher_source, launcher_path, template, world_size)
+
+    if strategy_flag in ("auto", DDP.name):
+        source = "--strategy ddp" if strategy_flag == DDP.name else "default (no DeepSpeed config)"
+        return StrategyChoice(DDP, source, None, None, world_size)
+
+    if accelerate_without_ds:
+        raise UsageError(
+            f"--strategy={strategy_flag} conflicts with accelerate launch without DeepSpeed: "
+            f"use --config_file ds_configs/accelerate/{strategy_flag}.yaml"
+        )
+    strategy = get_strategy(strategy_flag)
+    path = str(resources.deepspeed_config(strategy.name))
+    return StrategyChoice(
+        strategy, f"--strategy {strategy.name}", path, read_ds_config(path), world_size
+    )
+
+
+def resolve_precision(
+    flag: str | None, env: Mapping[str, str], *, on_cuda: bool | None = None
+) -> str:
+    """The flag wins over the launcher's default ``no``; two explicit, different values conflict.
+
+    ``on_cuda``: whether the run has CUDA devices (fp16 needs them); None asks torch.
+    """
+    if on_cuda is None:
+        import torch
+
+        on_cuda = torch.cuda.is_available()
+    launcher = env.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if flag is not None and launcher not in ("no", flag):
+        raise UsageError(
+            f"--mixed-precision={flag} conflicts with the launcher's mixed_precision={launcher}"
+        )
+    precision = flag or launcher
+    if precision not in PRECISIONS:
+        raise UsageError(f"mixed_precision={precision!r}: dpkit supports no, bf16 and fp16")
+    if precision == "fp16" and not on_cuda:
+        source = "--mixed-precision" if flag else "the launcher's mixed_precision"
+        raise UsageError(f"{source}=fp16: needs a CUDA GPU; use bf16 on CPU")
+    return precision
+
+
+def check_accelerate_settings(
+    env: Mapping[str, str], *, gradient_accumulation_steps: int, max_grad_norm: float
+) -> None:
+    """DeepSpeed settings from an accelerate config must agree with the run's own flags."""
+    given = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if given not in (None, "", "auto") and int(given) != gradient_accumulation_steps:
+        raise UsageError(
+            f"accelerate config gradient_accumulation_steps={given} disagrees with the run's "
+            f"{gradient_accumulation_steps} (--gradient-accumulation-steps): make them equal"
+        )
+    given = env.get("ACCELERATE_GRADIENT_CLIPPING")
+    if given not in (None, "", "auto", "none") and float(given) != float(max_grad_norm):
+        raise UsageError(
+            f"accelerate config gradient_clipping={given} disagrees with the run's "
+            f"{max_grad_norm:g} (--max-grad-norm): make them equal"
+        )
+    for variable, name in _OFFLOAD_SETTINGS.items():
+        device = env.get(variable, "none").lower()
+        if device not in ("", "none"):
+            raise UsageError(
+                f"accelerate config {name}={device}: dpkit does not set up offload from "
+                "accelerate's settings; put offload_optimizer in the DeepSpeed JSON"
+            )

@@ -1,0 +1,175 @@
+"""Run resolution: the one place a run is decided (strategy, precision, batch, DeepSpeed config), before any process group.
+
+:func:`resolve` is pure (the launcher's environment is one of its inputs): every
+conflict between the flags, the launcher and the DeepSpeed JSON is a one-line
+:class:`~dpkit.errors.UsageError` here. Its :class:`Resolution` holds the one
+resolved DeepSpeed dict; :func:`dpkit.train.run.start` hands it to accelerate and
+nothing patches it afterwards.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dpkit.errors import UsageError
+from dpkit.memory.settings import ddp_kwargs, zero_memory_settings
+from dpkit.models import ModelSizes
+from dpkit.strategy import Strategy
+from dpkit.train.config import StrategyConfig
+from dpkit.train.deepspeed_config import fill_deepspeed_config
+from dpkit.train.launch import (
+    check_accelerate_settings,
+    resolve_precision,
+    resolve_strategy,
+)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """What will run, resolved once from the flags, the launcher and the model."""
+
+    strategy: Strategy
+    """DDP, ZeRO-1 or ZeRO-2."""
+    source: str
+    """Where the strategy came from (a flag, a launcher, a config file), for the log."""
+    precision: str
+    """``no``, ``bf16`` or ``fp16`` (accelerate's names)."""
+    world_size: int
+    """Processes the launcher started (``WORLD_SIZE``)."""
+    micro_batch_size: int
+    """Examples per process per forward/backward."""
+    gradient_accumulation_steps: int
+    """Micro-batches accumulated into one optimizer update."""
+    ds_config: Mapping[str, Any] | None
+    """The DeepSpeed config with every value resolved (ZeRO only)."""
+    ds_config_path: str | None
+    """The JSON it was resolved from (ZeRO only)."""
+    ddp_kwargs: Mapping[str, Any]
+    """``DistributedDataParallelKwargs`` (DDP only; dpkit.memory.settings)."""
+    on_cuda: bool
+    """Processes run on CUDA devices (nccl); otherwise on CPU (gloo)."""
+    collective_timeout_s: float
+    """Seconds a collective may wait for the other ranks."""
+    model_sizes: ModelSizes
+    """The model's sizes the ZeRO settings were derived from."""
+    learning_rate: float | None = None
+    """The peak learning rate, scaled with the global batch if asked (None: not given)."""
+
+    @property
+    def global_batch_size(self) -> int:
+        """Examples per optimizer update, all ranks together."""
+        return self.micro_batch_size * self.gradient_accumulation_steps * self.world_size
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.on_cuda else "gloo"
+
+
+def resolve(
+    args: StrategyConfig | None = None,
+    *,
+    model: Any,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    max_grad_norm: float = 0.0,
+    learning_rate: float | None = None,
+    scale_lr: str = "none",
+    weight_decay: float | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Resolution:
+    """Resolve the run before any process group starts; bad input raises UsageError.
+
+    Args:
+        args: ``--strategy``, ``--deepspeed``, ``--mixed-precision``,
+            ``--collective-timeout`` (:class:`StrategyConfig`; None: its defaults, i.e.
+            whatever the launcher set up, else DDP).
+        model: the model (a ``torch.nn.Module``), its transformers config, or
+            :class:`~dpkit.models.ModelSizes`: ZeRO's buckets are sized to it.
+        micro_batch_size: examples per process per forward/backward.
+        gradient_accumulation_steps: micro-batches per optimizer update.
+        max_grad_norm: the clipping norm the loop uses (0: none). DeepSpeed clips inside
+            its step (accelerate's ``clip_grad_norm_`` does nothing under it), so this is
+            written into the DeepSpeed config as ``gradient_clipping``.
+        learning_rate: the peak learning rate of one process without accumulation
+            (recorded, and written into a DeepSpeed JSON's own ``optimizer`` section).
+        scale_lr: ``none``, ``linear`` or ``sqrt``: scale ``learning_rate`` with the global
+            batch (:func:`scaled_learning_rate`).
+        weight_decay: for a DeepSpeed JSON with its own ``optimizer`` section.
+        env: the launcher's environment (default ``os.environ``).
+    """
+    args = args or StrategyConfig()
+    env = os.environ if env is None else env
+    for name, value in (
+        ("micro_batch_size", micro_batch_size),
+        ("gradient_accumulation_steps", gradient_accumulation_steps),
+    ):
+        if not isinstance(value, int) or value <= 0:
+            raise UsageError(f"--{name.replace('_', '-')}={value!r}: must be > 0")
+    on_cuda = _cuda_available()
+    choice = resolve_strategy(args.strategy, args.deepspeed, env)
+    precision = resolve_precision(args.mixed_precision, env, on_cuda=on_cuda)
+    check_accelerate_settings(
+        env, gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm
+    )
+    sizes = ModelSizes.of(model)
+    if learning_rate is not None:
+        learning_rate = scaled_learning_rate(
+            learning_rate, scale_lr, choice.expected_world_size, gradient_accumulation_steps
+        )
+    ds_config = None
+    if choice.strategy.uses_deepspeed:
+        settings = zero_memory_settings(
+            sizes.num_params,
+            sizes.hidden_size,
+            world_size=choice.expected_world_size,
+            stage=choice.strategy.zero_stage,
+            largest_param_numel=sizes.largest_param_numel,
+            on_cuda=on_cuda,
+        )
+        ds_config = fill_deepspeed_config(
+            choice.ds_template or {},
+            micro_batch_size=micro_batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            world_size=choice.expected_world_size,
+            max_grad_norm=max_grad_norm,
+            precision=precision,
+            zero_settings=settings,
+            learning_rate=learning_rate,
+            weight_decay=weight_decay,
+        )
+    return Resolution(
+        strategy=choice.strategy,
+        source=choice.source,
+        precision=precision,
+        world_size=choice.expected_world_size,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        ds_config=ds_config,
+        ds_config_path=choice.ds_config_path,
+        ddp_kwargs={} if ds_config is not None else ddp_kwargs(),
+        on_cuda=on_cuda,
+        collective_timeout_s=args.collective_timeout,
+        model_sizes=sizes,
+        learning_rate=learning_rate,
+    )
+
+
+def scaled_learning_rate(base_lr: float, rule: str, world_size: int, accumulation: int) -> float:
+    """Scale the lr with the global batch relative to one process without accumulation
+    (``none``, ``linear`` or ``sqrt``)."""
+    factor = world_size * accumulation
+    if rule == "linear":
+        return base_lr * factor
+    if rule == "sqrt":
+        return base_lr * math.sqrt(factor)
+    return base_lr

@@ -1,0 +1,372 @@
+"""Starting a run: the Accelerator for a :class:`~dpkit.train.resolve.Resolution`, and what a script asks of it.
+
+Three steps, each usable alone::
+
+    resolution = resolve(args, model=model, micro_batch_size=16)  # pure: no process group
+    run = start(resolution)                                        # the Accelerator
+    ...accelerator.prepare(...)...
+    info = run.check(model, optimizer)                             # what really runs, or an error
+
+:func:`setup` is the first two in one call.
+
+What :func:`start` works around (measured, see ``../shared/STACK-NOTES.md``):
+
+* ``accelerate launch --multi_gpu`` without CUDA starts N processes that each train
+  alone unless the Accelerator is built with ``cpu=True``;
+* ``accelerate launch --use_deepspeed`` without CUDA counts one process and
+  DeepSpeed's batch assertion fails unless the process-group backend is named (gloo);
+* ``python recipe.py --strategy zero2`` has no process group for DeepSpeed: a
+  one-process rendezvous on localhost is set up.
+
+:meth:`Run.check`, after ``accelerator.prepare``, turns a silent mis-launch (processes
+that would train unconnected copies, a model not wrapped as asked) into an error and
+logs, once, what really runs (:class:`RunInfo`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import socket
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from dpkit.strategy import Strategy
+from dpkit.train.config import StrategyConfig
+from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
+from dpkit.train.resolve import Resolution, resolve
+
+logger = logging.getLogger("dpkit")
+
+
+@dataclass
+class RunInfo:
+    """What really runs, read back from accelerate/torch after ``prepare``."""
+
+    strategy: str
+    strategy_source: str
+    distributed_type: str
+    world_size: int
+    backend: str | None
+    device: str
+    wrapper: str
+    zero_stage: int
+    precision: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    global_batch_size: int
+    learning_rate: float | None
+    num_params: int
+
+    def describe(self) -> str:
+        """The one line every run logs."""
+        lr = "" if self.learning_rate is None else f" | lr={self.learning_rate:g}"
+        return (
+            f"strategy={self.strategy} ({self.strategy_source}) | world_size={self.world_size} | "
+            f"distributed_type={self.distributed_type} | wrapper={self.wrapper} | "
+            f"zero_stage={self.zero_stage} | backend={self.backend} | device={self.device} | "
+            f"precision={self.precision} | global_batch={self.global_batch_size} "
+            f"(micro {self.micro_batch_size} x accumulation {self.gradient_accumulation_steps} "
+            f"x processes {self.world_size}){lr}"
+        )
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Run:
+    """A resolved run and its Accelerator: what a training script asks about the strategy."""
+
+    resolution: Resolution
+    accelerator: Any
+
+    @property
+    def strategy(self) -> Strategy:
+        return self.resolution.strategy
+
+    @property
+    def world_size(self) -> int:
+        return self.accelerator.num_processes
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.resolution.global_batch_size
+
+    @property
+    def ds_config(self) -> dict | None:
+        """The DeepSpeed config as the engine got it (ZeRO only): accelerate's own dict,
+        not a copy kept beside it."""
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return None if plugin is None else plugin.deepspeed_config
+
+    def make_optimizer(self, params: Any, lr: float, weight_decay: float) -> Any:
+        """torch AdamW under every strategy, so losses compare across strategies; a
+        DeepSpeed JSON with its own ``optimizer`` section gets accelerate's DummyOptim."""
+        import torch
+        from accelerate.utils import DummyOptim
+
+        if "optimizer" in (self.resolution.ds_config or {}):
+            return DummyOptim(params, lr=lr, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+    def make_scheduler(self, name: str, optimizer: Any, warmup_steps: int, total_steps: int) -> Any:
+        """transformers' ``get_scheduler``; a DeepSpeed JSON with its own ``scheduler``
+        section gets accelerate's DummyScheduler."""
+        from accelerate.utils import DummyScheduler
+        from transformers import get_scheduler
+
+        if "scheduler" in (self.resolution.ds_config or {}):
+            return DummyScheduler(
+                optimizer, total_num_steps=total_steps, warmup_num_steps=warmup_steps
+            )
+        return get_scheduler(
+            name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
+        )
+
+    def check(self, model: Any, optimizer: Any, output: Any = None) -> RunInfo:
+        """After ``accelerator.prepare``: check that what runs is what was asked for (a
+        mismatch is an error, not a warning) and log it, once, from the main process.
+
+        With ``output`` (a :class:`~dpkit.train.run_output.RunOutput`), also write
+        ``run_info.json`` and, under DeepSpeed, ``ds_config.json`` as the engine got it.
+        """
+        import torch.distributed as dist
+
+        from dpkit.models import count_parameters
+
+        acc, asked = self.accelerator, self.resolution
+        if acc.num_processes != asked.world_size:
+            raise RuntimeError(
+                f"the launcher started {asked.world_size} processes but the process group has "
+                f"{acc.num_processes}: the processes would train unconnected copies"
+            )
+        wrapper = type(model).__name__
+        zero_stage = 0
+        if asked.strategy.uses_deepspeed:
+            engine = acc.deepspeed_engine_wrapped.engine if acc.deepspeed_engine_wrapped else model
+            zero_stage = int(engine.zero_optimization_stage())
+            inner = type(getattr(optimizer, "optimizer", optimizer)).__name__
+            wrapper = f"{type(engine).__name__}+{inner}"
+            if zero_stage != asked.strategy.zero_stage:
+                raise RuntimeError(
+                    f"asked for ZeRO-{asked.strategy.zero_stage}, DeepSpeed runs stage {zero_stage}"
+                )
+        elif acc.num_processes > 1 and wrapper != "DistributedDataParallel":
+            raise RuntimeError(
+                f"{acc.num_processes} processes but the model is not wrapped in DDP ({wrapper})"
+            )
+        backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
+        info = RunInfo(
+            strategy=asked.strategy.name,
+            strategy_source=asked.source,
+            distributed_type=str(acc.distributed_type).split(".")[-1],
+            world_size=acc.num_processes,
+            backend=backend,
+            device=str(acc.device),
+            wrapper=wrapper,
+            zero_stage=zero_stage,
+            precision=asked.precision,
+            micro_batch_size=asked.micro_batch_size,
+            gradient_accumulation_steps=asked.gradient_accumulation_steps,
+            global_batch_size=asked.global_batch_size,
+            learning_rate=asked.learning_rate,
+            num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
+        )
+        if acc.is_main_process:
+            logger.info("%s", info.describe())
+        if output is not None:
+            output.write_json("run_info.json", info.as_dict())
+            if self.ds_config is not None:
+                output.write_json("ds_config.json", self.ds_config)
+        return info
+
+    def track_memory(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
+        """:class:`dpkit.memory.MemoryTracker` for the prepared model and optimizer:
+        probes where this strategy holds its gradients, and the per-rank report."""
+        from dpkit.memory import MemoryTracker
+
+        return MemoryTracker(
+            self.accelerator,
+            model,
+            optimizer,
+            strategy=self.strategy,
+            precision=self.resolution.precision,
+            **kwargs,
+        )
+
+
+def log_once_per_job(is_main_process: bool | None = None) -> None:
+    """dpkit's own lines from the main process; library warnings once per job.
+
+    dpkit's logger gets a handler of its own only when the script configured none (so
+    its lines show in a bare script); other ranks log warnings and errors only, and
+    transformers, datasets and Python warnings stay quiet there: every rank would print
+    the same copy. Errors on any rank still reach the terminal. ``None``: the main
+    process is global rank 0 of the launcher's environment (before any process group;
+    :func:`start` calls it again with accelerate's answer).
+    """
+    import warnings
+
+    if is_main_process is None:
+        is_main_process = os.environ.get("RANK", "0") == "0"
+    dpkit_logger = logging.getLogger("dpkit")
+    if not dpkit_logger.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
+        dpkit_logger.addHandler(handler)
+        dpkit_logger.propagate = False
+    dpkit_logger.setLevel(logging.INFO if is_main_process else logging.WARNING)
+    if not is_main_process:
+        import datasets
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        datasets.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.filterwarnings("ignore", category=UserWarning)
+        warnings.filterwarnings("ignore", category=DeprecationWarning)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _without_env(name: str) -> Iterator[None]:
+    """``name`` unset while the block runs, restored afterwards."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+def start(
+    resolution: Resolution,
+    *,
+    data_seed: int | None = None,
+    step_scheduler_with_optimizer: bool = True,
+    log_with: str | None = None,
+    project_dir: str | None = None,
+) -> Run:
+    """Build the Accelerator for ``resolution``: backend, CPU or GPU, DDP's kwargs or the
+    resolved DeepSpeed config. Starts the process group.
+
+    Args:
+        data_seed: seed accelerate's sampler (``use_seedable_sampler``): the shuffle order
+            of epoch e is then a function of (data_seed, e) alone, the same on every rank and
+            world size and reproducible on resume. None: accelerate's default sampler.
+        step_scheduler_with_optimizer: accelerate's switch (its default: True steps a
+            prepared scheduler once per process per step, for schedules counted in
+            unsharded batches). dpkit's recipes count optimizer steps and pass False.
+        log_with, project_dir: accelerate's trackers.
+    """
+    from accelerate import Accelerator, DeepSpeedPlugin
+    from accelerate.utils import (
+        DataLoaderConfiguration,
+        DistributedDataParallelKwargs,
+        InitProcessGroupKwargs,
+    )
+
+    uses_deepspeed = resolution.strategy.uses_deepspeed
+    handlers: list = []
+    if resolution.world_size > 1 or uses_deepspeed:
+        # Naming the backend is what makes `accelerate launch --use_deepspeed` form a
+        # real N-process group on CPU; a single plain process must not get one.
+        handlers.append(
+            InitProcessGroupKwargs(
+                backend=resolution.backend,
+                timeout=timedelta(seconds=resolution.collective_timeout_s),
+            )
+        )
+    plugin = None
+    if uses_deepspeed:
+        if "RANK" not in os.environ:
+            # DeepSpeed's rendezvous reads these even for one process (plain `python
+            # recipe.py --strategy zero2`); this process is then the whole job.
+            os.environ.update(
+                RANK="0",
+                LOCAL_RANK="0",
+                WORLD_SIZE="1",
+                LOCAL_WORLD_SIZE="1",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(_free_port()),
+            )
+        skip_deepspeed_cpu_shm_op()
+        # accelerate refuses a config dict when its YAML listed DeepSpeed fields beside a
+        # config file (ACCELERATE_CONFIG_DS_FIELDS); resolve() honoured or refused each.
+        with _without_env("ACCELERATE_CONFIG_DS_FIELDS"):
+            plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(dict(resolution.ds_config)))
+    else:
+        handlers.append(DistributedDataParallelKwargs(**resolution.ddp_kwargs))
+    dataloader_config = None
+    if data_seed is not None:
+        dataloader_config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed)
+    accelerator = Accelerator(
+        # Without CUDA, plain multi-process runs need cpu=True to form a gloo group
+        # (otherwise each process trains alone as rank 0); DeepSpeed finds its CPU
+        # accelerator itself.
+        cpu=not resolution.on_cuda and not uses_deepspeed,
+        mixed_precision=resolution.precision,
+        gradient_accumulation_steps=resolution.gradient_accumulation_steps,
+        step_scheduler_with_optimizer=step_scheduler_with_optimizer,
+        deepspeed_plugin=plugin,
+        dataloader_config=dataloader_config,
+        kwargs_handlers=handlers,
+        log_with=log_with,
+        project_dir=project_dir,
+    )
+    log_once_per_job(accelerator.is_main_process)
+    if accelerator.num_processes > 1:
+        # A lazily connected process group (NCCL's default; TORCH_GLOO_LAZY_INIT=1 on CPU)
+        # lets the main process run ahead of a slower rank still parsing its arguments,
+        # which then refused --output-dir as "holds another run" the main process had just
+        # started (measured): every rank passes here before anything is written.
+        accelerator.wait_for_everyone()
+    return Run(resolution=resolution, accelerator=accelerator)
+
+
+def setup(
+    args: StrategyConfig | None = None,
+    *,
+    model: Any,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    max_grad_norm: float = 0.0,
+    learning_rate: float | None = None,
+    scale_lr: str = "none",
+    weight_decay: float | None = None,
+    data_seed: int | None = None,
+    step_scheduler_with_optimizer: bool = True,
+    log_with: str | None = None,
+    project_dir: str | None = None,
+) -> Run:
+    """:func:`resolve` then :func:`start`: the strategy from the flags and the launcher,
+    and an Accelerator that runs it on CPU or GPU under every launcher."""
+    resolution = resolve(
+        args,
+        model=model,
+        micro_batch_size=micro_batch_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        max_grad_norm=max_grad_norm,
+        learning_rate=learning_rate,
+        scale_lr=scale_lr,
+        weight_decay=weight_decay,
+    )
+    return start(
+        resolution,
+        data_seed=data_seed,
+        step_scheduler_with_optimizer=step_scheduler_with_optimizer,
+        log_with=log_with,
+        project_dir=project_dir,
+    )

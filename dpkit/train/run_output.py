@@ -1,0 +1,115 @@
+"""The run directory: resolved configuration, per-step and per-evaluation JSON lines.
+
+Layout of ``<output_dir>``::
+
+    run_config.json     every recipe argument and the launcher's environment
+    run_info.json       what really ran (strategy, world size, backend, batch, precision)
+    ds_config.json      the resolved DeepSpeed config (ZeRO runs)
+    train_log.jsonl     one line per optimizer step: loss (mean over ranks), lr, grad norm
+    metrics.jsonl       one line per evaluation
+    memory_report.json  the per-rank memory report
+    model/              the final model (save_pretrained, safetensors, fp32) and tokenizer
+    checkpoints/        the full training state every --save-steps (see dpkit.train.checkpoint)
+
+Only the main process writes; every method is a no-op elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+# Files a previous run left that would mix with this run's lines.
+_RUN_FILES = (
+    "run_config.json",
+    "run_info.json",
+    "ds_config.json",
+    "train_log.jsonl",
+    "metrics.jsonl",
+    "memory_report.json",
+)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if hasattr(value, "item"):
+        return value.item()
+    return value
+
+
+class RunOutput:
+    """The run directory: every method writes from the main process only (a no-op elsewhere)."""
+
+    def __init__(self, output_dir: str, is_main_process: bool):
+        self.path = Path(output_dir)
+        self.is_main = is_main_process
+
+    def start(self, run_config: dict, resume_step: int | None = None) -> None:
+        """Create the directory and write the config.
+
+        A fresh run clears a previous run's logs and checkpoints (only reached with
+        --overwrite-output-dir, checked at argument parsing). A resumed run keeps its
+        logs up to ``resume_step`` and drops what the interrupted run logged after it.
+        """
+        if not self.is_main:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        if resume_step is None:
+            for name in _RUN_FILES:
+                (self.path / name).unlink(missing_ok=True)
+            shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
+        else:
+            for name in ("train_log.jsonl", "metrics.jsonl"):
+                path = self.path / name
+                if path.exists():
+                    kept = [r for r in read_jsonl(path) if r.get("step", 0) <= resume_step]
+                    tmp = path.with_name(f".{name}.tmp")
+                    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                    os.replace(tmp, path)
+        self.write_json("run_config.json", run_config)
+
+    def write_json(self, name: str, payload: dict) -> None:
+        if not self.is_main:
+            return
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+        os.replace(tmp, self.path / name)
+
+    def append_jsonl(self, name: str, record: dict) -> None:
+        if not self.is_main:
+            return
+        clean = {k: _jsonable(v) for k, v in record.items()}
+        with open(self.path / name, "a") as f:
+            f.write(json.dumps(clean) + "\n")
+
+    @property
+    def model_dir(self) -> Path:
+        return self.path / "model"
+
+
+def check_output_dir(output_dir: str, *, overwrite: bool, resumes_own_run: bool = False) -> None:
+    """Refuse (one line) an ``--output-dir`` that is a file, or that holds another run
+    (its ``run_config.json``) unless ``--overwrite-output-dir`` or the run resumes its own
+    checkpoints there."""
+    from dpkit.errors import UsageError
+
+    out = Path(output_dir)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir={output_dir!r}: exists and is not a directory")
+    holds_run = out.is_dir() and (out / "run_config.json").exists()
+    if holds_run and not overwrite and not resumes_own_run:
+        raise UsageError(
+            f"--output-dir={output_dir!r}: holds another run; pass --overwrite-output-dir "
+            "or choose a new directory"
+        )
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The records of a JSON-lines file (for tests and the bench)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
