@@ -22,7 +22,6 @@ from dpkit.bench import results as bench_report
 from dpkit.data import lm as lm_data
 from dpkit.errors import UsageError
 from dpkit.memory.analytic import model_state_bytes
-from tests.harness import run
 
 NPROC = 2
 WARMUP, STEPS = 1, 2
@@ -134,15 +133,19 @@ def test_gradients_are_bucketed_as_they_arrive():
 
 
 @pytest.mark.multiprocess
-def test_tiny_bench_results_are_consistent(tmp_path):
+def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
+    """The real bench, as a user who installed dpkit's wheel runs it, from another folder:
+    every launch takes its recipe and configs from the installed package."""
     out = tmp_path / "bench"
-    launch = run(
-        [sys.executable, "-m", "dpkit.cli", "bench", *TINY_BENCH, "--output-dir", str(out)]
-    ).check()
+    launch = wheel_env.run(["dpkit", "bench", *TINY_BENCH, "--output-dir", str(out)], tmp_path)
+    output = launch.stdout + launch.stderr
+    assert launch.returncode == 0, output[-6000:]
     results = json.loads((out / "results.json").read_text())
     assert (out / "chart.png").stat().st_size > 10_000
     table = (out / "results.md").read_text()
-    assert table.strip() in launch.output  # the table is printed at the end
+    assert table.strip() in output  # the table is printed at the end
+    for run_ in results["runs"].values():  # the installed copies, not the checkout's
+        assert any(str(wheel_env.root) in part for part in run_["command"]), run_["command"]
     for label in ("| DDP |", "| ZeRO-1 |", "| ZeRO-2 |"):
         assert label in table
 

@@ -25,7 +25,7 @@ ZERO2_SCRIPT = textwrap.dedent(
     from safetensors.torch import save_file
     from transformers import AutoModelForSequenceClassification
     from dpkit.models import resolve_model_path
-    from dpkit.train.launch import skip_deepspeed_cpu_shm_op
+    from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
 
     out = sys.argv[-1]  # the deepspeed launcher puts --local_rank=N first
     skip_deepspeed_cpu_shm_op()
@@ -47,7 +47,7 @@ ZERO2_SCRIPT = textwrap.dedent(
     full = {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
     if engine.global_rank == 0:
         save_file(full, out + "/reference_fp32.safetensors")
-    # As in recipes/bare_deepspeed.py: without both, a rank can abort at exit.
+    # As in dpkit/bench/bare_deepspeed.py: without both, a rank can abort at exit.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     """
