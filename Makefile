@@ -45,12 +45,13 @@ finetune: setup
 	$(VENV)/bin/accelerate launch --config_file ds_configs/accelerate/$(STRATEGY).yaml --num_processes $(NPROC) \
 		recipes/finetune.py --output-dir runs/finetune --overwrite-output-dir
 
+# On CPU, 4 processes show what sharding saves (at 2, DeepSpeed's layout leaves little);
+# 4 timed steps keep it near 4 minutes on 2 cores (docs/bench-cpu-4proc.md). GPUs: all of them.
+BENCH_CPU_ARGS := --nproc 4 --steps 4 --warmup 1
 # DDP vs ZeRO-1 vs ZeRO-2 side by side (plus bare torch/DeepSpeed baselines):
 # memory per rank, throughput, loss equivalence -> bench_results/latest/{results.json,results.md,chart.png}
-# All GPUs, or 2 processes on CPU (about 2 min on 2 cores; 4 processes took 14 min there:
-# docs/bench-cpu-4proc.md, made with `dpkit bench --nproc 4`).
 bench-zero: setup
-	$(VENV)/bin/dpkit bench --output-dir bench_results/latest
+	$(VENV)/bin/dpkit bench $$($(PY) -c "import torch; print('' if torch.cuda.is_available() else '$(BENCH_CPU_ARGS)')") --output-dir bench_results/latest
 
 test: setup lint
 	$(PY) -m pytest -ra --durations=15 tests
