@@ -78,6 +78,7 @@ _EXPORTS: dict[str, str] = {
     "ModelSizes": "dpkit.models",
     "load_model_config": "dpkit.models",
     "resolve_model_path": "dpkit.models",
+    "load_tokenizer": "dpkit.models",
     "adamw_param_groups": "dpkit.models",
     "max_positions": "dpkit.models",
     # data

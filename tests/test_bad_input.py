@@ -172,7 +172,39 @@ RECIPE_CASES = [
         lambda t: ["--micro-batch-sze", "16"],
         "--micro-batch-sze=16: not a flag of this recipe; did you mean --micro-batch-size?",
     ),
+    (
+        "accumulation-longer-than-an-epoch",
+        lambda t: ["--gradient-accumulation-steps", "64", "--max-train-samples", "256"],
+        "--gradient-accumulation-steps=64: more than the 16 micro-batches each of the 1 "
+        "processes gets per epoch",
+    ),
+    (
+        "model-folder-without-tokenizer",
+        lambda t: ["--model", _weights_only(t)],
+        "its tokenizer has 5 tokens for the model's 30,522-token vocabulary",
+    ),
+    (
+        "nvme-offload-under-zero2",
+        lambda t: [
+            "--deepspeed",
+            _ds_config(t, "nvme.json", zero_optimization={"offload_optimizer": {"device": "nvme"}}),
+        ],
+        "offload_optimizer.device='nvme': DeepSpeed offloads to NVMe only under ZeRO-3",
+    ),
 ]
+
+
+def _weights_only(tmp: Path) -> str:
+    """MiniLM's folder without its tokenizer files (transformers would build an empty one)."""
+    import shutil
+
+    from dpkit.models import resolve_model_path
+
+    folder = tmp / "weights-only"
+    shutil.copytree(resolve_model_path("sentence-transformers/all-MiniLM-L6-v2"), folder)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
+        (folder / name).unlink()
+    return str(folder)
 
 
 def _cuda() -> bool:
@@ -219,6 +251,24 @@ def test_output_dir_holding_a_run_is_untouched(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_an_output_dir_that_cannot_be_created_is_one_line(tmp_path):
+    result = run(python_cmd(*ARGS, "--output-dir", "/proc/dpkit-refused/run"))
+    assert_refused(result, "--output-dir='/proc/dpkit-refused/run': cannot be created", None, 2)
+
+
+def test_a_deepspeed_file_under_accelerate_ddp_is_refused(tmp_path):
+    """ddp.yaml with --deepspeed zero2.json ran ZeRO-2, though --strategy zero2 under the
+    same YAML was refused: now both are."""
+    out = tmp_path / "run"
+    launch = ["--config_file", "ds_configs/accelerate/ddp.yaml", "--num_processes", "2"]
+    args = [*ARGS, "--deepspeed", "ds_configs/zero2.json", "--output-dir", str(out)]
+    result = run(accelerate_cmd(launch, *args))
+    message = "--deepspeed='ds_configs/zero2.json' conflicts with accelerate launch"
+    assert_refused(result, message, out)
+    # The launcher exits 1 for any failed child; the rank's own code is the usage code.
+    assert re.search(r"exitcode\s*: 2 ", result.output), result.output[-3000:]
+
+
 def test_deepspeed_launcher_refuses_an_unknown_nested_key(tmp_path):
     path = _ds_config(tmp_path, "nested.json", zero_optimization={"overlap_com": True})
     out = tmp_path / "run"

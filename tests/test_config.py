@@ -44,6 +44,7 @@ def test_ddp_with_deepspeed_config_conflicts(tmp_path):
 
 def test_output_dir_holding_a_run_is_not_overwritten(tmp_path):
     (tmp_path / "run_config.json").write_text("{}")
+    (tmp_path / "run_info.json").write_text("{}")  # a run that started training
     with pytest.raises(UsageError, match="holds another run; pass --overwrite-output-dir"):
         TrainConfig(output_dir=str(tmp_path))
     TrainConfig(output_dir=str(tmp_path), overwrite_output_dir=True)

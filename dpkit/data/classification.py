@@ -6,10 +6,16 @@ and exit code 2 (:class:`~dpkit.errors.UsageError`), never a half-started job.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from dpkit.data.embedded import ROTTEN_TOMATOES, rotten_tomatoes_csv
 from dpkit.errors import UsageError
+
+logger = logging.getLogger("dpkit")
+# Over this many classes, fewer than two examples a class means the label column is
+# probably the text (swapped --text-column/--label-column), not a labelling.
+MANY_CLASSES = 20
 
 
 def load_classification_splits(
@@ -66,29 +72,39 @@ def load_classification_splits(
     if sum(len(split) for split in raw.values()) == 0:
         raise UsageError(f"--dataset={dataset!r}: has no examples")
 
+    if text_column == label_column:
+        raise UsageError(
+            f"--label-column={label_column!r}: the same column as --text-column; name the labels"
+        )
     raw = raw.select_columns([text_column, label_column])
-    if text_column != "text":
-        raw = raw.rename_column(text_column, "text")
-    if label_column != "label":
-        raw = raw.rename_column(label_column, "label")
+    renames = {
+        old: new for old, new in ((text_column, "text"), (label_column, "label")) if old != new
+    }
+    if renames:  # at once: the two may swap names
+        raw = raw.rename_columns(renames)
     raw = raw.filter(lambda ex: ex["text"] is not None and ex["label"] is not None)
     if sum(len(split) for split in raw.values()) == 0:
         raise UsageError(f"--dataset={dataset!r}: no example has both a text and a label")
 
+    texts = [v for split in raw.values() for v in split["text"][:1000]]
+    not_text = next((v for v in texts if not isinstance(v, str)), None)
+    if not_text is not None:
+        raise UsageError(
+            f"--text-column={text_column!r}: holds {type(not_text).__name__} values "
+            f"({not_text!r}), not text; is --label-column={label_column!r} the text?"
+        )
     feature = first.features.get(label_column)
     if label_names is None and isinstance(feature, datasets.ClassLabel):
         label_names = list(feature.names)
     if label_names is None:
-        values = sorted({v for split in raw.values() for v in split["label"]}, key=str)
-        if all(isinstance(v, int) for v in values):
-            if min(values) < 0:
-                raise UsageError(f"--label-column={label_column!r}: negative label {min(values)}")
-            label_names = [str(i) for i in range(max(values) + 1)]
-        else:
-            label_names = [str(v) for v in values]
-            index = {v: i for i, v in enumerate(values)}
-            raw = raw.map(lambda ex: {"label_id": index[ex["label"]]}, remove_columns=["label"])
-            raw = raw.rename_column("label_id", "label")
+        label_names, raw = _labels_from_values(raw, label_column)
+    examples = sum(len(split) for split in raw.values())
+    if len(label_names) > MANY_CLASSES and len(label_names) > examples / 2:
+        raise UsageError(
+            f"--label-column={label_column!r}: {len(label_names)} classes for {examples} "
+            f"examples (fewer than 2 examples a class); is it the text column "
+            f"(--text-column={text_column!r})?"
+        )
     if len(label_names) < 2:
         raise UsageError(f"--dataset={dataset!r}: needs at least 2 classes, found {label_names}")
 
@@ -101,6 +117,45 @@ def load_classification_splits(
             f"({validation_fraction}) and test ({test_fraction}) splits"
         ) from None
     return splits, label_names
+
+
+def _labels_from_values(raw, label_column: str):
+    """Class names and the splits with labels 0..K-1, decided from the set of label values
+    over every split (never from what one batch or split holds).
+
+    Integer labels keep their order; a set that is not 0..K-1 (1/2 polarity, 0/2/4
+    sentiment) is mapped onto 0..K-1 in order rather than building a head with empty
+    classes, and the run says so. Strings are sorted. Negative integers (often "no label"),
+    floats and mixed types are refused.
+    """
+    seen = [v for split in raw.values() for v in split["label"]]
+    odd = next((v for v in seen if isinstance(v, bool) or not isinstance(v, (int, str))), None)
+    if odd is not None:
+        shown = repr(odd) if len(repr(odd)) <= 40 else repr(odd)[:37] + "..."
+        raise UsageError(
+            f"--label-column={label_column!r}: labels must be integers or strings, found "
+            f"{type(odd).__name__} {shown}"
+        )
+    values = set(seen)
+    if len({type(v) for v in values}) > 1:
+        raise UsageError(
+            f"--label-column={label_column!r}: mixes integer and string labels; use one type"
+        )
+    ordered = sorted(values)
+    if isinstance(ordered[0], int):
+        if ordered[0] < 0:
+            raise UsageError(f"--label-column={label_column!r}: negative label {ordered[0]}")
+        if ordered == list(range(len(ordered))):
+            return [str(v) for v in ordered], raw
+        logger.info(
+            "labels %s are mapped onto classes 0..%d in this order (the model's id2label "
+            "keeps the original values)",
+            ordered,
+            len(ordered) - 1,
+        )
+    index = {v: i for i, v in enumerate(ordered)}
+    raw = raw.map(lambda ex: {"label_id": index[ex["label"]]}, remove_columns=["label"])
+    return [str(v) for v in ordered], raw.rename_column("label_id", "label")
 
 
 def is_sequence_classifier(model_config) -> bool:

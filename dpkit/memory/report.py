@@ -62,6 +62,8 @@ class MemoryReport:
     # The largest parameter (name, numel): it bounds the residuals ZeRO's bookkeeping
     # leaves (whole-gradient copies of boundary-straddling or late-reduced parameters).
     largest_param: dict[str, Any] | None = None
+    # Where ZeRO offloaded optimizer state and master weights (``cpu``), or None.
+    offload_optimizer: str | None = None
 
     @property
     def predicted(self) -> ModelStateBytes:
@@ -188,6 +190,7 @@ class MemoryReport:
             "grads_measured": self.grads_measured,
             "settings": self.ranks[0].get("settings", {}),
             "largest_param": self.largest_param,
+            "offload_optimizer": self.offload_optimizer,
             "notes": list(self.notes),
         }
 
@@ -205,6 +208,7 @@ class MemoryReport:
             residual_tolerance_pct=float(data.get("residual_tolerance_pct", 1.0)),
             notes=list(data.get("notes", [])),
             largest_param=data.get("largest_param"),
+            offload_optimizer=data.get("offload_optimizer"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -255,7 +259,13 @@ class MemoryReport:
         peak_name = self.ranks[0].get("peak", {}).get("headline", "peak")
         columns = (*MODEL_STATES, "states", "buffers", "activations", "worst moment")
         lines = [
-            f"memory: {self.strategy}, {self.world_size} ranks, {self.precision}, "
+            f"memory: {self.strategy}"
+            + (
+                f" (optimizer offloaded to {self.offload_optimizer})"
+                if self.offload_optimizer
+                else ""
+            )
+            + f", {self.world_size} ranks, {self.precision}, "
             f"{self.optimizer_name}, {self.num_params:,} params, {self.device}"
             + (f", step {self.step}" if self.step is not None else ""),
             _line("MiB", columns, peak_name),

@@ -21,6 +21,8 @@ DEEPSPEED_DEFAULT_BUCKET = 500_000_000
 # 1,048,576, 64 ms in 2,500,000 and 56 ms in one call (torchrun, 2 ranks, median of 5).
 # hidden^2 alone gives small models tiny buckets (262,144 at hidden 512).
 MIN_BUCKET_ELEMENTS = 2**21
+# DeepSpeed's nccl_start_alignment_factor (stage_1_and_2.py): bucket sizes must be multiples.
+ZERO_BUCKET_ALIGNMENT = 2
 
 # The zero_optimization keys zero_memory_settings() sizes; DeepSpeed's attribute of the
 # same name holds the value a live ZeRO optimizer runs with.
@@ -104,7 +106,10 @@ def bucket_elements(hidden_size: int | None, num_params: int | None = None) -> i
     else:
         per_layer = DEEPSPEED_DEFAULT_BUCKET
     ceiling = min(num_params, DEEPSPEED_DEFAULT_BUCKET) if num_params else DEEPSPEED_DEFAULT_BUCKET
-    return int(max(1, min(per_layer, ceiling)))
+    elements = int(max(1, min(per_layer, ceiling)))
+    # DeepSpeed asserts allgather_bucket_size % 2 == 0 (4-byte alignment of 16-bit
+    # buffers, on CPU too): a model with an odd parameter count would stop at prepare.
+    return -(-elements // ZERO_BUCKET_ALIGNMENT) * ZERO_BUCKET_ALIGNMENT
 
 
 def zero_memory_settings(

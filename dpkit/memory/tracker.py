@@ -166,6 +166,7 @@ class MemoryTracker:
         strategy: Strategy | str,
         precision: str = "no",
         optimizer_name: str = "adamw",
+        offload_optimizer: str | None = None,
         probe_steps: int = -1,
         count_activations: bool = True,
     ) -> None:
@@ -177,6 +178,7 @@ class MemoryTracker:
                 prediction the measurement is checked against.
             precision: ``no``/``fp32``, ``bf16`` or ``fp16``.
             optimizer_name: for the prediction (``adamw``: 8 bytes of state per parameter).
+            offload_optimizer: where ZeRO offloads optimizer state (``cpu``), or None.
             probe_steps: probe the first N optimizer steps (see :meth:`step_done`) and
                 keep their high-waters; -1 every step; 0 installs no probes (a report then
                 sees only what is held when it is taken).
@@ -188,6 +190,7 @@ class MemoryTracker:
         self.strategy = get_strategy(strategy)
         self.precision = canonical_precision(precision)
         self.optimizer_name = optimizer_name
+        self.offload_optimizer = offload_optimizer
         self.probe_steps = probe_steps
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
         self.probes = (
@@ -239,6 +242,11 @@ class MemoryTracker:
                 "there were not seen, so the gradient figure is marked unmeasured"
             )
         device = rows[0].get("device", "cpu")
+        if self.offload_optimizer and not device.startswith("cuda"):
+            notes.append(
+                f"optimizer state offloaded to {self.offload_optimizer} on a CPU run: host and "
+                "device memory are one, so the offloaded bytes are counted as on the device"
+            )
         if not device.startswith("cuda"):
             notes.append(
                 "CPU run: tensor figures are allocated bytes; the peak is the process RSS "
@@ -261,6 +269,7 @@ class MemoryTracker:
             step=step,
             notes=notes,
             largest_param=largest_param(self.model),
+            offload_optimizer=self.offload_optimizer,
         )
 
     def log_report(self, step: int | None = None) -> MemoryReport | None:

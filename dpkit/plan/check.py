@@ -123,7 +123,13 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         seq_len=seq_len,
     )
     settings = _run_settings(report, buffer_settings(spec, world_size))
-    row: StrategyEstimate = estimate(inputs, report["strategy"], inputs.micro_batch, None, settings)
+    strategy = report["strategy"]
+    on_gpu = str(report.get("device", "cpu")).startswith("cuda")
+    if report.get("offload_optimizer") and on_gpu and strategy == "zero2":
+        # Optimizer state and master weights off the GPU: the plan's offload row. (A CPU
+        # run's host memory is its device memory: planned, and measured, as ZeRO-2.)
+        strategy = "zero2_offload"
+    row: StrategyEstimate = estimate(inputs, strategy, inputs.micro_batch, None, settings)
     predicted = {c: float(getattr(row, c)) for c in CATEGORIES}
     predicted["total"] = sum(predicted.values())
     measured = {c: max(float(r[c]) for r in report["ranks"]) for c in CATEGORIES}

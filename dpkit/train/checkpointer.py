@@ -8,6 +8,7 @@ the same data order and schedule.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -40,17 +41,22 @@ class Position:
     batches_per_epoch: int = 0
     """Micro-batches of an epoch on this rank (set by :meth:`epochs`)."""
 
-    def epochs(self, accelerator, loader, num_epochs: int) -> Iterator[tuple[int, Any]]:
-        """``(epoch, batches)`` from the current epoch to ``num_epochs``; the first one skips
-        what a resumed run has already consumed (the seeded sampler replays the same order)."""
+    def epochs(
+        self, accelerator, loader, num_epochs: int, micro_batches: int | None = None
+    ) -> Iterator[tuple[int, Any]]:
+        """``(epoch, batches)`` from the current epoch to ``num_epochs``, each epoch cut to
+        its first ``micro_batches`` (default: the whole loader) so that every optimizer step
+        accumulates as many micro-batches as asked; the first epoch skips what a resumed
+        run already consumed (the seeded sampler replays the same order)."""
         first = self.epoch
-        self.batches_per_epoch = len(loader)
+        self.batches_per_epoch = len(loader) if micro_batches is None else micro_batches
         for epoch in range(first, num_epochs):
             self.epoch = epoch
             loader.set_epoch(epoch)
             skip = self.batches_done if epoch == first else 0
             self.batches_done = skip
-            yield epoch, accelerator.skip_first_batches(loader, skip) if skip else loader
+            batches = accelerator.skip_first_batches(loader, skip) if skip else loader
+            yield epoch, itertools.islice(batches, self.batches_per_epoch - skip)
 
     def batch_done(self) -> None:
         self.batches_done += 1

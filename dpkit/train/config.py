@@ -143,7 +143,9 @@ def _unknown_argument(remaining: list[str], config_classes: tuple[type, ...]) ->
 
 
 def config_dict(*configs: object) -> dict:
-    """All fields of the given dataclasses, for the run directory."""
+    """All fields of the given dataclasses, the command line and the launcher's
+    environment, for ``run_config.json``. Call it before :func:`dpkit.start`: accelerate
+    writes ``ACCELERATE_*`` variables of its own into the environment once it runs."""
     merged: dict = {}
     for cfg in configs:
         merged[type(cfg).__name__] = asdict(cfg)

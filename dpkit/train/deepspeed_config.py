@@ -74,6 +74,31 @@ def zero_stage_of(config: Mapping, path: str) -> int:
     return stage
 
 
+def optimizer_offload(config: Mapping, path: str) -> str | None:
+    """Where ZeRO-1/2 keeps optimizer state and master weights: ``cpu``, or None on the
+    device. Offload that DeepSpeed would not run as written is refused: under ZeRO-1/2 it
+    runs an NVMe ``offload_optimizer`` as CPU offload without a word (NVMe is ZeRO-3's)
+    and ignores ``offload_param`` (ZeRO-3's too)."""
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage")
+    where = f"deepspeed config {path!r}"
+    param = (zero.get("offload_param") or {}).get("device", "none")
+    if param not in (None, "none") and stage in (1, 2):
+        raise UsageError(
+            f"{where}: zero_optimization.offload_param.device={param!r}: parameter offload is "
+            f"ZeRO-3's; under ZeRO-{stage} DeepSpeed ignores it"
+        )
+    device = (zero.get("offload_optimizer") or {}).get("device", "none")
+    if device == "nvme" and stage in (1, 2):
+        raise UsageError(
+            f"{where}: zero_optimization.offload_optimizer.device='nvme': DeepSpeed offloads to "
+            f"NVMe only under ZeRO-3; under ZeRO-{stage} it would run as CPU offload; use 'cpu'"
+        )
+    if device in (None, "none") and zero.get("cpu_offload") is True:
+        device = "cpu"  # the older spelling of offload_optimizer.device = cpu
+    return None if device in (None, "none") else device
+
+
 def _set_if_auto(config: dict, key: str, value: Any, where: str, why: str = "") -> None:
     """Fill ``"auto"`` (or a missing key); a value the user wrote must equal the run's."""
     current = config.get(key, "auto")

@@ -16,7 +16,8 @@ class ClassifierMetrics:
     """Accuracy and F1 for a classifier with ``num_labels`` classes.
 
     F1 averages by the label set, not by the labels a split happens to contain:
-    binary for two classes, macro otherwise.
+    binary for two classes, macro otherwise; the key says which (``f1_binary``,
+    ``f1_macro``).
     """
 
     def __init__(self, num_labels: int) -> None:
@@ -24,6 +25,7 @@ class ClassifierMetrics:
 
         self.num_labels = num_labels
         self.average = "binary" if num_labels == 2 else "macro"
+        self.f1_key = f"f1_{self.average}"
         self.accuracy = evaluate.load(str(metric_dir("accuracy")))
         self.f1 = evaluate.load(str(metric_dir("f1")))
 
@@ -41,9 +43,12 @@ class ClassifierMetrics:
             predictions += preds.tolist()
             references += labels.tolist()
         model.train()
+        return self.score(predictions, references)
+
+    def score(self, predictions: list[int], references: list[int]) -> dict[str, float]:
+        """Accuracy and F1 of class ids (and how many samples they cover)."""
         result: dict[str, float] = {"samples": len(references)}
         result.update(self.accuracy.compute(predictions=predictions, references=references))
-        result.update(
-            self.f1.compute(predictions=predictions, references=references, average=self.average)
-        )
+        f1 = self.f1.compute(predictions=predictions, references=references, average=self.average)
+        result[self.f1_key] = f1["f1"]
         return result

@@ -8,7 +8,7 @@ recipe shares (strategy, precision) are :class:`dpkit.train.config.StrategyConfi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -289,17 +289,35 @@ class TrainConfig:
             "weight_decay": self.weight_decay,
         }
 
-    def schedule(self, batches_per_epoch: int, world_size: int) -> Schedule:
-        """Optimizer steps, epochs and warm-up, from the micro-batches of an epoch on all
-        ranks together (the loader's length before ``prepare`` shards it)."""
-        per_step = world_size * self.gradient_accumulation_steps
-        steps_per_epoch = max(batches_per_epoch // per_step, 1)
+    def schedule(self, train_examples: int, world_size: int) -> Schedule:
+        """Optimizer steps, epochs and warm-up for ``train_examples`` over ``world_size``
+        processes. Every step trains on exactly ``gradient_accumulation_steps``
+        micro-batches: the micro-batches of an epoch that do not fill a whole step (and
+        the last incomplete micro-batch) are left out of it. A layout that leaves an
+        epoch no whole step is refused."""
+        micro_batches = train_examples // self.micro_batch_size // world_size  # per process
+        if micro_batches == 0 and not self.eval_only:
+            raise UsageError(
+                f"--micro-batch-size={self.micro_batch_size}: x {world_size} processes is more "
+                f"than the {train_examples} training examples; no process would get a full batch"
+            )
+        steps_per_epoch = micro_batches // self.gradient_accumulation_steps
+        if steps_per_epoch == 0 and not self.eval_only:
+            raise UsageError(
+                f"--gradient-accumulation-steps={self.gradient_accumulation_steps}: more than "
+                f"the {micro_batches} micro-batches each of the {world_size} processes gets per "
+                f"epoch ({train_examples} examples / micro-batch {self.micro_batch_size}); a "
+                "step would train on fewer micro-batches than asked"
+            )
+        steps_per_epoch = max(steps_per_epoch, 1)
         total = self.max_steps if self.max_steps > 0 else steps_per_epoch * self.num_epochs
         return Schedule(
             total_steps=total,
             num_epochs=math.ceil(total / steps_per_epoch),
             warmup_steps=int(self.warmup_ratio * total),
             steps_per_epoch=steps_per_epoch,
+            micro_batches_per_epoch=steps_per_epoch * self.gradient_accumulation_steps,
+            left_out_per_epoch=micro_batches - steps_per_epoch * self.gradient_accumulation_steps,
         )
 
     def _check_output_dir(self) -> None:
@@ -323,12 +341,26 @@ class Schedule:
     num_epochs: int
     warmup_steps: int
     steps_per_epoch: int
+    micro_batches_per_epoch: int
+    """Micro-batches each process trains on per epoch: whole optimizer steps only."""
+    left_out_per_epoch: int = 0
+    """Micro-batches per process and epoch that do not fill a whole step, left out."""
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
 
     def describe(self) -> str:
-        return (
+        """The schedule in one line, with what an epoch leaves out, if anything."""
+        text = (
             f"{self.total_steps} steps ({self.num_epochs} epochs of {self.steps_per_epoch}), "
             f"{self.warmup_steps} warm-up"
         )
+        if self.left_out_per_epoch:
+            text += (
+                f"; each epoch leaves out the last {self.left_out_per_epoch} micro-batch(es) of "
+                "each process, which do not fill a whole step"
+            )
+        return text
 
 
 def parse_finetune_args(

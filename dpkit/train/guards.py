@@ -19,6 +19,7 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,9 @@ from dpkit.errors import EXIT_USAGE, UsageError
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Exit codes: a clean stop on a signal follows the shell convention 128 + signal.
 EXIT_NON_FINITE = 3
+# How long a rank other than 0 waits, on bad input, for rank 0 to print the one line and
+# the launcher to end the job (it stops every rank once one has failed).
+USAGE_ERROR_GRACE_S = 10.0
 
 
 class StopRequest:
@@ -213,7 +217,13 @@ def run_and_exit(main: Callable[[], None]) -> NoReturn:
             raise
         exit_process(exiting.code)
     except UsageError as err:
-        if rank == "0":
+        if rank != "0":
+            # Every rank reads the same input, so rank 0 meets the same error and prints
+            # it; leaving first would let the launcher kill rank 0 before it could. If
+            # rank 0 did not (an input only this rank sees), say it after all.
+            time.sleep(USAGE_ERROR_GRACE_S)
+            print(f"{prog}: error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        else:
             print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
         exit_process(EXIT_USAGE)
     except NonFiniteLossError as err:

@@ -9,8 +9,9 @@ any process group exists, so every conflict is a one-line
   the launch form to use instead.
 * ``accelerate launch --use_fsdp``: dpkit runs DDP and ZeRO, refused.
 * A strategy flag that contradicts the launcher (``--strategy ddp`` under a ZeRO
-  config, ``--strategy zero1`` with ``--deepspeed zero2.json``, a ZeRO flag under an
-  accelerate config without DeepSpeed) is refused rather than one of them winning.
+  config, ``--strategy zero1`` with ``--deepspeed zero2.json``, a ZeRO flag or a
+  ``--deepspeed`` file under an accelerate config without DeepSpeed) is refused rather
+  than one of them winning.
 * DeepSpeed settings an accelerate YAML gives (accumulation, clipping, offload):
   honoured where they agree with the run, refused where they do not (accelerate
   would otherwise drop them without a word beside a DeepSpeed config file).
@@ -95,6 +96,12 @@ def resolve_strategy(
     accelerate_without_ds = "ACCELERATE_DYNAMO_BACKEND" in env and not launcher_source
 
     if deepspeed_flag is not None:
+        if accelerate_without_ds:
+            raise UsageError(
+                f"--deepspeed={deepspeed_flag!r} conflicts with accelerate launch without "
+                "DeepSpeed: use --config_file ds_configs/accelerate/zero2.yaml (or zero1.yaml), "
+                "or the deepspeed launcher"
+            )
         if launcher_path is not None:
             flag_stage = zero_stage_of(read_ds_config(deepspeed_flag), deepspeed_flag)
             launcher_stage = zero_stage_of(read_ds_config(launcher_path), launcher_path)

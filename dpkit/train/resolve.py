@@ -20,7 +20,7 @@ from dpkit.memory.settings import ddp_kwargs, zero_memory_settings
 from dpkit.models import ModelSizes
 from dpkit.strategy import Strategy
 from dpkit.train.config import StrategyConfig
-from dpkit.train.deepspeed_config import fill_deepspeed_config
+from dpkit.train.deepspeed_config import fill_deepspeed_config, optimizer_offload
 from dpkit.train.launch import (
     check_accelerate_settings,
     resolve_precision,
@@ -64,6 +64,8 @@ class Resolution:
     """The model's sizes the ZeRO settings were derived from."""
     learning_rate: float | None = None
     """The peak learning rate, scaled with the global batch if asked (None: not given)."""
+    offload_optimizer: str | None = None
+    """Where ZeRO keeps optimizer state and master weights off the device (``cpu``), or None."""
 
     @property
     def global_batch_size(self) -> int:
@@ -126,8 +128,9 @@ def resolve(
         learning_rate = scaled_learning_rate(
             learning_rate, scale_lr, choice.expected_world_size, gradient_accumulation_steps
         )
-    ds_config = None
+    ds_config = offload = None
     if choice.strategy.uses_deepspeed:
+        offload = optimizer_offload(choice.ds_template or {}, choice.ds_config_path or "")
         settings = zero_memory_settings(
             sizes.num_params,
             sizes.hidden_size,
@@ -161,6 +164,7 @@ def resolve(
         collective_timeout_s=args.collective_timeout,
         model_sizes=sizes,
         learning_rate=learning_rate,
+        offload_optimizer=offload,
     )
 
 

@@ -61,10 +61,13 @@ class RunInfo:
     global_batch_size: int
     learning_rate: float | None
     num_params: int
+    offload_optimizer: str | None = None
 
     def describe(self) -> str:
         """The one line every run logs."""
         lr = "" if self.learning_rate is None else f" | lr={self.learning_rate:g}"
+        if self.offload_optimizer:
+            lr += f" | offload_optimizer={self.offload_optimizer}"
         return (
             f"strategy={self.strategy} ({self.strategy_source}) | world_size={self.world_size} | "
             f"distributed_type={self.distributed_type} | wrapper={self.wrapper} | "
@@ -128,12 +131,13 @@ class Run:
             name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
         )
 
-    def check(self, model: Any, optimizer: Any, output: Any = None) -> RunInfo:
+    def check(self, model: Any, optimizer: Any, output: Any = None, **extra: Any) -> RunInfo:
         """After ``accelerator.prepare``: check that what runs is what was asked for (a
         mismatch is an error, not a warning) and log it, once, from the main process.
 
         With ``output`` (a :class:`~dpkit.train.run_output.RunOutput`), also write
-        ``run_info.json`` and, under DeepSpeed, ``ds_config.json`` as the engine got it.
+        ``run_info.json`` (with ``extra`` fields: the schedule, say) and, under DeepSpeed,
+        ``ds_config.json`` as the engine got it.
         """
         import torch.distributed as dist
 
@@ -176,11 +180,12 @@ class Run:
             global_batch_size=asked.global_batch_size,
             learning_rate=asked.learning_rate,
             num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
+            offload_optimizer=asked.offload_optimizer,
         )
         if acc.is_main_process:
             logger.info("%s", info.describe())
         if output is not None:
-            output.write_json("run_info.json", info.as_dict())
+            output.write_json("run_info.json", {**info.as_dict(), **extra})
             if self.ds_config is not None:
                 output.write_json("ds_config.json", self.ds_config)
         return info
@@ -196,8 +201,24 @@ class Run:
             optimizer,
             strategy=self.strategy,
             precision=self.resolution.precision,
+            offload_optimizer=self.resolution.offload_optimizer,
             **kwargs,
         )
+
+
+class _ErrorsOnly(logging.Filter):
+    """Lets errors through, nothing else."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
+class _WithoutCpuNotice(logging.Filter):
+    """Drops DeepSpeed's "Setting accelerator to CPU" (dpkit's start-up line names the
+    device; DeepSpeed's launchers print the notice themselves)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Setting accelerator to CPU" not in record.getMessage()
 
 
 def log_once_per_job(is_main_process: bool | None = None) -> None:
@@ -221,6 +242,11 @@ def log_once_per_job(is_main_process: bool | None = None) -> None:
         dpkit_logger.addHandler(handler)
         dpkit_logger.propagate = False
     dpkit_logger.setLevel(logging.INFO if is_main_process else logging.WARNING)
+    # DeepSpeed's logger is created on import, and its level set then: filters outlive that.
+    deepspeed_logger = logging.getLogger("DeepSpeed")
+    wanted = _WithoutCpuNotice if is_main_process else _ErrorsOnly
+    if not any(isinstance(f, wanted) for f in deepspeed_logger.filters):
+        deepspeed_logger.addFilter(wanted())
     if not is_main_process:
         import datasets
         import transformers

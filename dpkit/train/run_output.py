@@ -16,6 +16,7 @@ Only the main process writes; every method is a no-op elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -92,21 +93,65 @@ class RunOutput:
         return self.path / "model"
 
 
+# What only a run that got as far as training leaves behind. A folder holding just
+# run_config.json is a start that failed before training (a bad tokenizer, a dead
+# rank at start-up): retrying into it needs no --overwrite-output-dir.
+_RUN_PRODUCTS = ("run_info.json", "train_log.jsonl", "metrics.jsonl", "memory_report.json")
+_RUN_FOLDERS = ("model", "checkpoints")
+
+
+def holds_run(output_dir: str | Path) -> bool:
+    """Whether ``output_dir`` holds the products of a run that started training."""
+    out = Path(output_dir)
+    return any((out / name).is_file() for name in _RUN_PRODUCTS) or any(
+        (out / name).is_dir() for name in _RUN_FOLDERS
+    )
+
+
 def check_output_dir(output_dir: str, *, overwrite: bool, resumes_own_run: bool = False) -> None:
-    """Refuse (one line) an ``--output-dir`` that is a file, or that holds another run
-    (its ``run_config.json``) unless ``--overwrite-output-dir`` or the run resumes its own
-    checkpoints there."""
+    """Refuse (one line) an ``--output-dir`` that is a file, that cannot be created, or that
+    holds another run unless ``--overwrite-output-dir`` or the run resumes its own
+    checkpoints there. Nothing is left behind by the check."""
     from dpkit.errors import UsageError
 
     out = Path(output_dir)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir={output_dir!r}: exists and is not a directory")
-    holds_run = out.is_dir() and (out / "run_config.json").exists()
-    if holds_run and not overwrite and not resumes_own_run:
+    if not out.exists():
+        problem = _why_not_creatable(out)
+        if problem:
+            raise UsageError(f"--output-dir={output_dir!r}: cannot be created ({problem})")
+    elif not os.access(out, os.W_OK | os.X_OK):
+        raise UsageError(f"--output-dir={output_dir!r}: not writable")
+    if holds_run(out) and not overwrite and not resumes_own_run:
         raise UsageError(
             f"--output-dir={output_dir!r}: holds another run; pass --overwrite-output-dir "
             "or choose a new directory"
         )
+
+
+def _why_not_creatable(path: Path) -> str | None:
+    """Create ``path`` and its missing parents, then remove them again: the only sure test
+    (a read-only mount or /proc refuses even root, whom os.access lets through). Every
+    rank probes at once, so a folder another rank made counts as made, and one another
+    rank already removed as removed."""
+    missing = []
+    probe = path.absolute()
+    while not probe.exists():
+        missing.append(probe)
+        probe = probe.parent
+    if not probe.is_dir():
+        return f"{probe} is not a directory"
+    try:
+        for folder in reversed(missing):
+            folder.mkdir(exist_ok=True)
+    except OSError as err:
+        return f"{folder}: {err.strerror or type(err).__name__}"
+    finally:
+        for folder in missing:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+    return None
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
