@@ -43,6 +43,16 @@ def module_tmp(tmp_path_factory, request) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="session")
+def warm_recipe(tmp_path_factory):
+    """The recipe for runs that stop before training, forked from one warm process."""
+    from tests.harness import WarmRecipe
+
+    warm = WarmRecipe(tmp_path_factory.mktemp("warm-recipe"))
+    yield warm
+    warm.close()
+
+
+@pytest.fixture(scope="session")
 def wheel_env(tmp_path_factory):
     """dpkit built as a wheel and installed into a fresh venv outside the checkout
     (tests/wheel_env.py); built once per session."""

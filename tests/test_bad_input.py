@@ -1,8 +1,10 @@
 """Bad input, before anything starts: one line naming the field and the value, exit code 2,
 no process group, nothing written or overwritten.
 
-The issue's cases and where each is tested (E2E: the real recipe in a subprocess;
-cases marked * were tested before this file, elsewhere):
+The issue's cases and where each is tested (E2E: the real recipe in its own process, as
+``python recipes/finetune.py``, forked from a process that has done the imports once
+(tests/harness.py ``WarmRecipe``), or under a launcher; cases marked * were tested before
+this file, elsewhere):
 
 ==========================================  ===================================================
 malformed JSON (DeepSpeed config)           E2E ``malformed-json``; * test_strategy
@@ -48,7 +50,7 @@ from dpkit.train.finetune_config import (
     parse_finetune_args,
 )
 from dpkit.train.launch import resolve_precision, resolve_strategy
-from tests.harness import REPO, accelerate_cmd, assert_refused, deepspeed_cmd, python_cmd, run
+from tests.harness import REPO, accelerate_cmd, assert_refused, deepspeed_cmd, run
 
 # Small and quick: every case here is refused before any of it matters.
 ARGS = ["--max-steps", "2", "--micro-batch-size", "16", "--max-seq-length", "64"]
@@ -217,11 +219,11 @@ def _cuda() -> bool:
     ("make_args", "message"),
     [pytest.param(make, message, id=case_id) for case_id, make, message in RECIPE_CASES],
 )
-def test_recipe_refuses(make_args, message, tmp_path, request):
+def test_recipe_refuses(make_args, message, tmp_path, request, warm_recipe):
     if "fp16" in request.node.callspec.id and _cuda():
         pytest.skip("fp16 is valid with a GPU")
     out = tmp_path / "run"
-    result = run(python_cmd(*ARGS, *make_args(tmp_path), "--output-dir", str(out)))
+    result = warm_recipe.run(*ARGS, *make_args(tmp_path), "--output-dir", str(out))
     assert_refused(result, message, out, exit_code=2)
 
 
@@ -233,14 +235,14 @@ def _snapshot(folder: Path) -> dict[str, tuple[bytes, int]]:
     }
 
 
-def test_output_dir_holding_a_run_is_untouched(tmp_path):
+def test_output_dir_holding_a_run_is_untouched(tmp_path, warm_recipe):
     previous = tmp_path / "previous_run"
     (previous / "model").mkdir(parents=True)
     (previous / "run_config.json").write_text('{"argv": ["earlier run"]}')
     (previous / "train_log.jsonl").write_text('{"step": 1, "loss": 0.69}\n')
     (previous / "model" / "model.safetensors").write_bytes(b"weights of the earlier run")
     before = _snapshot(previous)
-    result = run(python_cmd(*ARGS, "--output-dir", str(previous)))
+    result = warm_recipe.run(*ARGS, "--output-dir", str(previous))
     assert_refused(
         result,
         f"--output-dir={str(previous)!r}: holds another run; pass --overwrite-output-dir",
@@ -251,8 +253,8 @@ def test_output_dir_holding_a_run_is_untouched(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_an_output_dir_that_cannot_be_created_is_one_line(tmp_path):
-    result = run(python_cmd(*ARGS, "--output-dir", "/proc/dpkit-refused/run"))
+def test_an_output_dir_that_cannot_be_created_is_one_line(tmp_path, warm_recipe):
+    result = warm_recipe.run(*ARGS, "--output-dir", "/proc/dpkit-refused/run")
     assert_refused(result, "--output-dir='/proc/dpkit-refused/run': cannot be created", None, 2)
 
 

@@ -12,16 +12,16 @@ import argparse
 import json
 import math
 import os
+import statistics
 import sys
+from pathlib import Path
 
 import pytest
 
 from dpkit.bench import cli as bench_cli
 from dpkit.bench import launch as bench
-from dpkit.bench import results as bench_report
 from dpkit.data import lm as lm_data
 from dpkit.errors import UsageError
-from dpkit.memory.analytic import model_state_bytes
 
 NPROC = 2
 WARMUP, STEPS = 1, 2
@@ -131,11 +131,49 @@ def test_gradients_are_bucketed_as_they_arrive():
 
 # ---- the real bench ---------------------------------------------------------------------------
 
+# Tolerances are argued here, never read from dpkit (loosening dpkit's constant must not
+# loosen the test). Losses: the equivalence tolerance of tests/test_launchers.py, from the
+# measured rounding drift between DDP and ZeRO (bench runs measured 0 to 2e-6).
+LOSS_RTOL = 2e-3
+# dpkit plan against the measured model states, per category: DeepSpeed's alignment
+# padding only (measured under 0.001% on this model); the planning issue's target for
+# the total is 10%.
+PLAN_RTOL_PCT = 2.0
+TINY_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 8192, "n_positions": 128}
+MICRO_BATCH, SEQ_LEN = 4, 64
+
+
+def _tiny_gpt2_counts() -> tuple[int, int]:
+    """Psi and the number of parameter tensors of the bench's tiny model, counted by torch
+    on a model transformers builds (tied embedding counted once), not by dpkit."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(**TINY_GPT2))
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), len(params)
+
+
+def _raw_log(run_dir: str) -> list[dict]:
+    lines = (Path(run_dir) / "train_log.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines]
+
+
+def _rel_dev(losses: list[float], reference: list[float]) -> float:
+    assert len(losses) == len(reference) > 0
+    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
+
+
+def _worst_rank_total(run_dir: str) -> float:
+    """The largest per-rank sum of the categories, from the run's own memory report."""
+    report = json.loads((Path(run_dir) / "memory_report.json").read_text())
+    return max(r["model_state_total"] + r["buffers_total"] for r in report["ranks"])
+
 
 @pytest.mark.multiprocess
 def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
     """The real bench, as a user who installed dpkit's wheel runs it, from another folder:
-    every launch takes its recipe and configs from the installed package."""
+    every launch takes its recipe and configs from the installed package. Its figures are
+    checked against what torch counts, the runs' own log files and hand-derived bytes."""
     out = tmp_path / "bench"
     launch = wheel_env.run(["dpkit", "bench", *TINY_BENCH, "--output-dir", str(out)], tmp_path)
     output = launch.stdout + launch.stderr
@@ -155,76 +193,84 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
     assert results["machine"]["cpu_model"] and results["machine"]["versions"]["torch"]
     assert results["machine"]["versions"]["deepspeed"]
 
-    num_params = results["num_params"]
-    total_steps = WARMUP + STEPS
+    psi, tensors = _tiny_gpt2_counts()
+    assert results["num_params"] == psi
+    n = NPROC
+    raw = {name: _raw_log(r["run_dir"]) for name, r in runs.items()}
+    raw_losses = {name: [x["loss"] for x in log] for name, log in raw.items()}
+    medians = {}
     for name, r in runs.items():
-        # Every run trained the same steps on the same numbers of tokens.
-        assert len(r["losses"]) == total_steps and all(math.isfinite(x) for x in r["losses"]), name
-        assert r["timed_steps"] == STEPS
-        assert r["tokens_per_step_per_rank"] == 4 * 64
-        assert r["tokens_per_s"] == pytest.approx(
-            r["tokens_per_step_per_rank"] / r["median_step_time_s"] * NPROC
-        )
-        assert r["samples_per_s"] == pytest.approx(r["samples_per_s_per_rank"] * NPROC)
-        if r["bare"]:
-            continue
-        assert r["run_info"]["world_size"] == NPROC
-        assert r["run_info"]["strategy"] == name
-        memory = r["memory"]
-        assert memory["num_params"] == num_params and len(memory["ranks"]) == NPROC
+        # Every run trained the same steps on the same numbers of tokens, and the bench
+        # reports what the run itself logged.
+        assert [x["step"] for x in raw[name]] == list(range(1, WARMUP + STEPS + 1)), name
+        assert r["losses"] == raw_losses[name] and all(map(math.isfinite, r["losses"])), name
+        assert all(x["tokens_per_rank"] == MICRO_BATCH * SEQ_LEN for x in raw[name]), name
+        medians[name] = statistics.median(x["step_time_s"] for x in raw[name][WARMUP:])
+        assert r["median_step_time_s"] == medians[name], name
+        assert r["tokens_per_s"] == pytest.approx(MICRO_BATCH * SEQ_LEN * n / medians[name])
+        if not r["bare"]:
+            assert r["run_info"]["world_size"] == n and r["run_info"]["strategy"] == name
+
+    # Bytes per rank, derived by hand for fp32 AdamW (4 B params, 4 B grads, two 4 B
+    # moments, plus AdamW's 4-byte step per tensor; DeepSpeed keeps an fp32 master
+    # partition and one step per optimizer group).
+    ddp = runs["ddp"]["memory"]
+    assert len(ddp["ranks"]) == n
+    for rank in ddp["ranks"]:
+        assert (rank["params"], rank["grads"], rank["master"]) == (4 * psi, 4 * psi, 0)
+        assert rank["optimizer"] == 8 * psi + 4 * tensors
+    for name in ("zero1", "zero2"):
+        memory = runs[name]["memory"]
+        assert len(memory["ranks"]) == n
         for rank in memory["ranks"]:
-            # The categories add up to the total, rank by rank.
-            parts = sum(rank[c] for c in bench_report.CATEGORIES)
-            assert rank["total"] == pytest.approx(parts)
-        worst = next(x for x in memory["ranks"] if x["rank"] == memory["worst_rank"])
-        assert memory["per_rank"] == {c: worst[c] for c in (*bench_report.CATEGORIES, "total")}
-        assert worst["total"] == max(x["total"] for x in memory["ranks"])
-
-    ddp_total = runs["ddp"]["memory"]["per_rank"]["total"]
-    ddp_predicted = model_state_bytes(num_params, "ddp", NPROC).total
-    for name, row in comparison.items():
-        total = runs[name]["memory"]["per_rank"]["total"]
-        # Savings follow from the bytes.
-        assert row["saved_vs_ddp_measured"] == pytest.approx(ddp_total - total)
-        assert row["ratio_vs_ddp_measured"] == pytest.approx(total / ddp_total)
-        predicted = model_state_bytes(num_params, name, NPROC).total
-        assert row["predicted_model_states"] == pytest.approx(predicted)
-        assert row["saved_vs_ddp_predicted"] == pytest.approx(ddp_predicted - predicted)
-        assert row["dpkit_over_bare_step_time"] == pytest.approx(
-            runs[name]["median_step_time_s"] / runs[bench.bare_run_name(name)]["median_step_time_s"]
-        )
-        assert math.isfinite(row["loss_max_rel_dev_vs_ddp"])
-        # The bare twin trains the same model on the same batches.
-        assert row["bare_loss_max_rel_dev"] < bench_report.LOSS_RTOL
-
-    # dpkit plan for each run, gradients laid out as DeepSpeed holds them: close to the bytes.
-    for name, row in comparison.items():
-        plan = runs[name]["plan"]
-        assert plan["strategy"] == name and plan["world_size"] == NPROC
-        assert row["plan_model_states"] == plan["predicted_bytes"]["total"]
-        assert abs(row["plan_error_pct"]) <= bench_report.TARGET_PLAN_ERROR_PCT, plan
+            assert rank["params"] == 4 * psi, name
+            # Partitions are padded for alignment: within 0.1% of the even split.
+            assert rank["optimizer"] == pytest.approx(8 * psi / n, rel=1e-3), name
+            assert rank["master"] == pytest.approx(4 * psi / n, rel=1e-3), name
     # ZeRO-2's own gradient partition is DDP's / N on every rank.
-    ddp_grads = runs["ddp"]["memory"]["per_rank"]["grads"]
     for rank in runs["zero2"]["memory"]["ranks"]:
-        assert rank["grads_partition"] == pytest.approx(ddp_grads / NPROC, rel=0.01)
+        assert rank["grads_partition"] == pytest.approx(4 * psi / n, rel=1e-3)
     assert "ZeRO-2 gradients: each rank's own partition is" in table
 
-    ddp_optimizer = runs["ddp"]["memory"]["per_rank"]["optimizer"]
-    for name in ("zero1", "zero2"):
-        optimizer = runs[name]["memory"]["per_rank"]["optimizer"]
-        assert optimizer == pytest.approx(ddp_optimizer / NPROC, rel=0.01), name
-        assert comparison[name]["loss_max_rel_dev_vs_ddp"] < bench_report.LOSS_RTOL
+    # The paper's prediction, by hand: DDP 16 Psi; ZeRO-1 shards the 12 bytes of
+    # optimizer state and master; ZeRO-2 also the 4 bytes of gradients.
+    paper = {"ddp": 16 * psi, "zero1": 8 * psi + 12 * psi / n, "zero2": 4 * psi + 16 * psi / n}
+    for name, row in comparison.items():
+        assert row["predicted_model_states"] == pytest.approx(paper[name], rel=1e-12), name
+        assert row["saved_vs_ddp_predicted"] == pytest.approx(paper["ddp"] - paper[name])
+        measured_total = _worst_rank_total(runs[name]["run_dir"])
+        assert row["saved_vs_ddp_measured"] == pytest.approx(
+            _worst_rank_total(runs["ddp"]["run_dir"]) - measured_total
+        ), name
+        bare = bench.bare_run_name(name)
+        assert row["dpkit_over_bare_step_time"] == pytest.approx(medians[name] / medians[bare])
+        # Numerically the same training: against DDP, and against the bare twin.
+        deviation = _rel_dev(raw_losses[name], raw_losses["ddp"])
+        assert deviation < LOSS_RTOL, (name, deviation)
+        assert row["loss_max_rel_dev_vs_ddp"] == pytest.approx(deviation, abs=1e-12)
+        assert _rel_dev(raw_losses[bare], raw_losses[name]) < LOSS_RTOL, name
+        # dpkit plan for each run, gradients laid out as DeepSpeed holds them.
+        plan = runs[name]["plan"]
+        assert plan["strategy"] == name and plan["world_size"] == n
+        for category, error in plan["error_pct"].items():
+            assert error is None or abs(error) <= PLAN_RTOL_PCT, (category, plan)
+        assert row["plan_model_states"] == plan["predicted_bytes"]["total"]
     assert {c["strategy"] for c in results["checks"]} == {"ddp", "zero1", "zero2"}
+    # The tiny GPT-2's tied word embedding (2^21 elements) fits the 2^21 bucket, so dpkit
+    # keeps contiguous_gradients on: the plan above followed DeepSpeed's pre-sized
+    # partition buffer bucket by bucket (tests/test_memory_multiprocess.py does N=4).
+    for name in ("zero1", "zero2"):
+        assert runs[name]["ds_config"]["zero_optimization"]["contiguous_gradients"] is True
 
     # The collectives phase timed the same model's bytes in each strategy's pattern.
     comm = results["collectives"]
-    assert comm["world_size"] == NPROC and comm["num_params"] == num_params
+    assert comm["world_size"] == n and comm["num_params"] == psi
     assert (
         comm["zero_bucket_elements"]
         == runs["zero2"]["ds_config"]["zero_optimization"]["reduce_bucket_size"]
     )
     for name, pattern in comm["patterns"].items():
-        assert pattern["bytes"] >= 4 * num_params, name  # fp32; the all-gather pads
+        assert pattern["bytes"] >= 4 * psi, name  # fp32; the all-gather pads
         assert len(pattern["times_s"]) == comm["repeats"]
         assert pattern["median_s"] > 0 and pattern["calls"] >= 1
     assert "Communication of one step, each pattern timed alone" in table

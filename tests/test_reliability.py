@@ -114,7 +114,12 @@ def test_a_killed_rank_ends_the_whole_job_and_keeps_the_last_checkpoint(tmp_path
     output = job.output()
     # torchrun's report names the dead rank and the signal; rank 0 says what it saw.
     assert "rank      : 1" in output and "exitcode  : -9" in output, output[-3000:]
-    assert "rank 0: lost the connection to another rank" in output or "exitcode  : 1" in output
+    # Rank 0's own line, not only the launcher's: one line for what it saw.
+    lost = [line for line in output.splitlines() if "lost the connection to another rank" in line]
+    assert lost == [
+        "finetune.py: error: rank 0: lost the connection to another rank: it died "
+        "(see the launcher's report above)"
+    ], output[-3000:]
     latest = checkpoint.list_checkpoints(out)[-1]
     assert checkpoint.verify_checkpoint(latest).step >= 2
 

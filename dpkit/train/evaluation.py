@@ -1,4 +1,4 @@
-"""Evaluating a classifier on every rank: accuracy and F1 from ``evaluate`` metric modules shipped with dpkit.
+"""Evaluating a classifier on every rank: loss, and accuracy and F1 from ``evaluate`` metric modules shipped with dpkit.
 
 The metric modules are read from the package (``dpkit/metrics``), not the Hub,
 so evaluation works offline. ``gather_for_metrics`` drops the samples the last
@@ -30,20 +30,28 @@ class ClassifierMetrics:
         self.f1 = evaluate.load(str(metric_dir("f1")))
 
     def evaluate(self, accelerator: Any, model: Any, loader: Any) -> dict[str, float]:
-        """Predict ``loader`` on every rank (a collective) and score it; the model is left
-        in training mode."""
+        """Predict ``loader`` on every rank (a collective) and score it: accuracy, F1 and
+        the mean cross-entropy per example (``loss``); the model is left in training mode."""
         import torch
 
         model.eval()
-        predictions, references = [], []
+        predictions, references, losses = [], [], []
         for batch in loader:
             with torch.no_grad():
                 logits = model(**batch).logits
-            preds, labels = accelerator.gather_for_metrics((logits.argmax(dim=-1), batch["labels"]))
+                per_example = torch.nn.functional.cross_entropy(
+                    logits.float(), batch["labels"], reduction="none"
+                )
+            preds, labels, batch_losses = accelerator.gather_for_metrics(
+                (logits.argmax(dim=-1), batch["labels"], per_example)
+            )
             predictions += preds.tolist()
             references += labels.tolist()
+            losses += batch_losses.tolist()
         model.train()
-        return self.score(predictions, references)
+        result = self.score(predictions, references)
+        result["loss"] = sum(losses) / len(losses) if losses else float("nan")
+        return result
 
     def score(self, predictions: list[int], references: list[int]) -> dict[str, float]:
         """Accuracy and F1 of class ids (and how many samples they cover)."""
