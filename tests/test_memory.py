@@ -268,6 +268,10 @@ _WORLD_OF_ONE = textwrap.dedent(
     if strategy == "ddp":
         handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=bucket_view))
     else:
+        # As every dpkit run does (dpkit.train.deepspeed_config): the CPU shared-memory
+        # all-reduce op is never used in training, and building it costs ~40 s.
+        from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
+        skip_deepspeed_cpu_shm_op()
         plugin = DeepSpeedPlugin(hf_ds_config={
             "train_micro_batch_size_per_gpu": 4, "train_batch_size": 4,
             "gradient_accumulation_steps": 1, "zero_allow_untested_optimizer": True,
