@@ -153,39 +153,29 @@ def run(
     return Launch(cmd, proc.returncode, output, output_dir)
 
 
-def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, RECIPE, *args]
+def python_cmd(*args: str, recipe: str = RECIPE) -> list[str]:
+    return [sys.executable, recipe, *args]
 
 
-def accelerate_cmd(launch_args: list[str], *args: str) -> list[str]:
+def accelerate_cmd(launch_args: list[str], *args: str, recipe: str = RECIPE) -> list[str]:
     return [
         str(BIN / "accelerate"), "launch", "--main_process_port", str(free_port()),
-        *launch_args, RECIPE, *args,
+        *launch_args, recipe, *args,
     ]  # fmt: skip
 
 
-def deepspeed_cmd(nproc: int, *args: str) -> list[str]:
+def deepspeed_cmd(nproc: int, *args: str, recipe: str = RECIPE) -> list[str]:
     return [
-        str(BIN / "deepspeed"),
-        "--num_gpus",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        RECIPE,
-        *args,
-    ]
+        str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+        recipe, *args,
+    ]  # fmt: skip
 
 
-def torchrun_cmd(nproc: int, *args: str) -> list[str]:
+def torchrun_cmd(nproc: int, *args: str, recipe: str = RECIPE) -> list[str]:
     return [
-        str(BIN / "torchrun"),
-        "--nproc_per_node",
-        str(nproc),
-        "--master_port",
-        str(free_port()),
-        RECIPE,
-        *args,
-    ]
+        str(BIN / "torchrun"), "--nproc_per_node", str(nproc), "--master_port", str(free_port()),
+        recipe, *args,
+    ]  # fmt: skip
 
 
 def run_nodes(

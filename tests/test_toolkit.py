@@ -36,10 +36,20 @@ def test_public_api_is_documented_and_the_recipes_use_nothing_else():
         assert re.search(rf"`{re.escape(name)}[`(.]", api_doc), f"{name} not in docs/api.md"
         if callable(value):
             assert (value.__doc__ or "").strip(), f"dpkit.{name} has no docstring"
+    # The integrations are public modules of their own (their __all__, in docs/api.md).
+    import dpkit.integrations.transformers as hf_integration
+
+    integrations = {"dpkit.integrations.transformers": hf_integration}
+    for name in hf_integration.__all__:
+        assert re.search(rf"`{re.escape(name)}[`(.]", api_doc), f"{name} not in docs/api.md"
+        assert (getattr(hf_integration, name).__doc__ or "").strip(), name
     for recipe in sorted((REPO / "recipes").glob("*.py")):
         tree = ast.parse(recipe.read_text())
         for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dpkit"):
+            if isinstance(node, ast.ImportFrom) and node.module in integrations:
+                public = integrations[node.module].__all__
+                assert all(a.name in public for a in node.names), f"{recipe.name}: {node.module}"
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dpkit"):
                 raise AssertionError(f"{recipe.name}: from {node.module} import ...")
             if isinstance(node, ast.Import):
                 assert all(a.name == "dpkit" or not a.name.startswith("dpkit") for a in node.names)
@@ -102,6 +112,8 @@ def test_wheel_carries_what_dpkit_reads_at_run_time(wheel_env):
         "dpkit/metrics/f1/f1.py",
         "dpkit/recipes/train_lm.py",
         "dpkit/recipes/finetune.py",
+        "dpkit/recipes/trainer_finetune.py",
+        "dpkit/integrations/transformers.py",
         "dpkit/bench/bare_deepspeed.py",
     ):
         assert required in names, required

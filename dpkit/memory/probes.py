@@ -276,6 +276,11 @@ class StepProbes:
         if self.activations is not None:
             self.activations.high_water = 0.0
 
+    @property
+    def installed(self) -> bool:
+        """Whether the probes are still in place (each step pays for their walks)."""
+        return bool(self._removers)
+
     def remove(self) -> None:
         for remover in reversed(self._removers):
             remover()

@@ -64,6 +64,10 @@ class MemoryReport:
     largest_param: dict[str, Any] | None = None
     # Where ZeRO offloaded optimizer state and master weights (``cpu``), or None.
     offload_optimizer: str | None = None
+    # What ``dpkit plan --against`` plans for, for a run without a recipe's run_config.json
+    # (a Transformers Trainer run): dpkit.plan.inputs.spec_record of the live model, with
+    # the optimizer's own parameter groups, and the micro-batch.
+    model: dict[str, Any] | None = None
 
     @property
     def predicted(self) -> ModelStateBytes:
@@ -192,6 +196,7 @@ class MemoryReport:
             "largest_param": self.largest_param,
             "offload_optimizer": self.offload_optimizer,
             "notes": list(self.notes),
+            **({"model": self.model} if self.model is not None else {}),
         }
 
     @classmethod
@@ -209,6 +214,7 @@ class MemoryReport:
             notes=list(data.get("notes", [])),
             largest_param=data.get("largest_param"),
             offload_optimizer=data.get("offload_optimizer"),
+            model=data.get("model"),
         )
 
     def save(self, path: str | Path) -> None:

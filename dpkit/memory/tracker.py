@@ -110,6 +110,8 @@ def measure_rank(
     activations = getattr(probes, "activations", None) if probes is not None else None
     row["activations"] = activations.high_water if activations is not None else None
     row["probe_seconds"] = probes.probe_seconds if probes is not None else 0.0
+    # False once MemoryTracker.step_done took them off: later steps ran without them.
+    row["probes_in_place"] = probes is not None and probes.installed
     device = getattr(accelerator, "device", None)
     peak = peak_figures(device, rss_reset)
     counted = row["model_state_total"] + row["buffers_total"]

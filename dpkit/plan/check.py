@@ -1,8 +1,10 @@
 """``dpkit plan --against RUN_DIR``: the plan of a finished run beside what the run measured.
 
-The run's own folder (``recipes/finetune.py``, ``recipes/train_lm.py``, or a run of
-``dpkit bench``) says what to plan for: ``run_config.json`` (model, micro-batch,
-sequence length, which recipe) and ``memory_report.json`` (strategy, world size,
+The run's own folder (``recipes/finetune.py``, ``recipes/train_lm.py``, a run of
+``dpkit bench``, or a Transformers ``Trainer`` run with
+:class:`~dpkit.integrations.transformers.MemoryReportCallback`) says what to plan for:
+``run_config.json`` (model, micro-batch, sequence length, which recipe; a Trainer
+run's report carries its live model's layout instead) and ``memory_report.json`` (strategy, world size,
 precision, optimizer, the DeepSpeed settings in effect, and every rank's measured
 bytes). The plan is made with those settings, so a disagreement is the model's, not
 the inputs'. Per model-state category the plan's per-GPU figure (the worst rank) is
@@ -22,7 +24,13 @@ from dpkit.errors import UsageError
 from dpkit.memory.analytic import canonical_precision
 from dpkit.memory.categories import MODEL_STATES
 from dpkit.plan.estimate import StrategyEstimate, buffer_settings, estimate
-from dpkit.plan.inputs import ModelSpec, PlanInputs, load_model, spec_from_config
+from dpkit.plan.inputs import (
+    ModelSpec,
+    PlanInputs,
+    load_model,
+    spec_from_config,
+    spec_from_record,
+)
 
 CATEGORIES = MODEL_STATES
 """The rows of the check: the model states, one by one."""
@@ -68,12 +76,24 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 
 
 def _run_settings(report: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    """The plan's buffer settings, with the DeepSpeed values the run really used."""
+    """The plan's buffer settings, with the DDP and DeepSpeed values the run really used."""
     settings = dict(defaults)
     for key, value in report.get("settings", {}).items():
         if key.startswith("zero."):
             settings[key.removeprefix("zero.")] = value
+        elif key == "ddp.gradient_as_bucket_view":
+            settings["gradient_as_bucket_view"] = value
     return settings
+
+
+def _trainer_model(report: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
+    """The model a Trainer run trained, as its memory report recorded it."""
+    record = report["model"]
+    spec = spec_from_record(record)
+    # Model states do not depend on the sequence length (activations do, and the check
+    # compares model states only); the Trainer pads each batch to its own length.
+    seq_len = min(128, spec.max_positions or 128)
+    return spec.name, spec, int(record.get("micro_batch_size") or 1), seq_len
 
 
 def _recipe_model(run_dir: Path, config: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
@@ -105,8 +125,11 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     if not run_dir.is_dir():
         raise UsageError(f"--against={str(run_dir)!r}: no such run folder")
     report = _read_json(run_dir / "memory_report.json", "written at the end of every run")
-    config = _read_json(run_dir / "run_config.json", "written at the start of every run")
-    model_name, spec, micro_batch, seq_len = _recipe_model(run_dir, config)
+    if isinstance(report.get("model"), dict):  # a Trainer run: its report says it all
+        model_name, spec, micro_batch, seq_len = _trainer_model(report)
+    else:
+        config = _read_json(run_dir / "run_config.json", "written at the start of every run")
+        model_name, spec, micro_batch, seq_len = _recipe_model(run_dir, config)
     try:  # the report may use accelerate's name for fp32, "no"
         precision = canonical_precision(report["precision"])
     except ValueError:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -138,8 +138,9 @@ class ModelSpec:
     name: str
     """As given: a bundled name, a path, a Hub name, or the ``--params`` text."""
     source: str
-    """``bundled``, ``path``, ``hub``, ``count`` (a bare ``--params``) or ``recipe`` (a
-    config a recipe built, for ``--against``)."""
+    """``bundled``, ``path``, ``hub``, ``count`` (a bare ``--params``), ``recipe`` (a
+    config a recipe built, for ``--against``) or ``trainer`` (the live model of a
+    Transformers ``Trainer`` run, recorded in its memory report)."""
     num_params: int
     """Distinct parameters, tied weights counted once."""
     config: Any = field(default=None, repr=False, compare=False)
@@ -223,6 +224,23 @@ def spec_from_config(name: str, source: str, config: Any, task: str = "causal_lm
         raise UsageError(
             f"--model={name!r}: cannot build it from its config ({first_line(err)})"
         ) from None
+    return spec_from_model(name, source, model, config=config)
+
+
+def spec_from_model(
+    name: str,
+    source: str,
+    model: Any,
+    param_groups: list[list[Any]] | None = None,
+    config: Any = None,
+) -> ModelSpec:
+    """The :class:`ModelSpec` of a module (on the meta device or a real one).
+
+    ``param_groups``: the parameters of each optimizer group in the order the optimizer
+    holds them (the layout ZeRO partitions); None: the recipes' groups
+    (:func:`~dpkit.models.adamw_param_groups`). ``config``: the model's config (None:
+    ``model.config``, where it has one).
+    """
     threshold = PERSISTENCE_THRESHOLD
     # parameters() yields each Parameter once, so tied weights count once
     # (dpkit.models.count_parameters keys on data_ptr, which is 0 for every meta tensor).
@@ -231,18 +249,51 @@ def spec_from_config(name: str, source: str, config: Any, task: str = "causal_lm
         (sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()),
         default=0,
     )
-    groups = [group["params"] for group in adamw_param_groups(model, 0.0)]
-    where = {id(p): (g, i) for g, group in enumerate(groups) for i, p in enumerate(group)}
+    if param_groups is None:
+        param_groups = [group["params"] for group in adamw_param_groups(model, 0.0)]
+    where = {id(p): (g, i) for g, group in enumerate(param_groups) for i, p in enumerate(group)}
     return ModelSpec(
         name=name,
         source=source,
         num_params=sum(p.numel() for p in params),
-        config=config,
+        config=config if config is not None else getattr(model, "config", None),
         largest_layer_params=largest,
         small_tensor_params=sum(p.numel() for p in params if p.numel() < threshold),
         gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
-        param_groups=tuple(tuple(p.numel() for p in group) for group in groups),
+        param_groups=tuple(tuple(p.numel() for p in group) for group in param_groups),
         param_order=tuple(where[id(p)] for p in params if id(p) in where),
+    )
+
+
+def spec_record(spec: ModelSpec) -> dict[str, Any]:
+    """``spec`` as JSON-ready data (the config as its ``to_dict``), for a run's report."""
+    record = {f.name: getattr(spec, f.name) for f in fields(ModelSpec) if f.name != "config"}
+    record["param_groups"] = [list(group) for group in spec.param_groups]
+    record["param_order"] = [list(where) for where in spec.param_order]
+    record["config"] = spec.config.to_dict() if spec.config is not None else None
+    return record
+
+
+def spec_from_record(record: dict[str, Any]) -> ModelSpec:
+    """The :class:`ModelSpec` :func:`spec_record` wrote (the config rebuilt by transformers)."""
+    config = None
+    if record.get("config"):
+        from transformers import AutoConfig
+
+        values = dict(record["config"])
+        try:
+            config = AutoConfig.for_model(values.pop("model_type"), **values)
+        except (KeyError, ValueError) as err:
+            raise UsageError(
+                f"--against: cannot rebuild the config of {record.get('name')!r} "
+                f"({first_line(err)})"
+            ) from None
+    known = {f.name for f in fields(ModelSpec)} - {"config", "param_groups", "param_order"}
+    return ModelSpec(
+        **{k: v for k, v in record.items() if k in known},
+        config=config,
+        param_groups=tuple(tuple(group) for group in record.get("param_groups", ())),
+        param_order=tuple(tuple(where) for where in record.get("param_order", ())),
     )
 
 

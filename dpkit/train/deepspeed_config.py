@@ -168,16 +168,17 @@ def fill_deepspeed_config(
             if key in params and value is not None:
                 _set_if_auto(params, key, value, "optimizer.params.")
 
-    leftover = [path for path, value in _leaves(config) if value == "auto"]
+    leftover = [path for path, value in config_leaves(config) if value == "auto"]
     if leftover:
         raise UsageError(f'deepspeed config: dpkit cannot fill {", ".join(leftover)}="auto"')
     return config
 
 
-def _leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+def config_leaves(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every leaf of a (nested) config as (dotted path, value)."""
     if isinstance(node, dict):
         for key, value in node.items():
-            yield from _leaves(value, f"{prefix}{key}.")
+            yield from config_leaves(value, f"{prefix}{key}.")
     else:
         yield prefix.rstrip("."), node
 

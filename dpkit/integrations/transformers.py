@@ -1,0 +1,519 @@
+"""dpkit for the Transformers ``Trainer``: the per-rank memory report, ZeRO settings sized to the model, a run check.
+
+One line gives any ``Trainer`` (DDP under ``torchrun``/``accelerate launch``, DeepSpeed
+ZeRO-1/2 through ``TrainingArguments(deepspeed=...)``) dpkit's measured per-rank
+memory report::
+
+    from dpkit.integrations.transformers import (
+        MemoryReportCallback, deepspeed_config, device_arguments)
+
+    args = TrainingArguments(
+        output_dir="out",
+        deepspeed=deepspeed_config(model, "zero2"),  # or a JSON path, a dict; None: no DeepSpeed
+        **device_arguments(),                        # use_cpu + gloo on a machine without CUDA
+    )
+    trainer = Trainer(model=model, args=args, ..., callbacks=[MemoryReportCallback()])
+
+* :class:`MemoryReportCallback` probes the Trainer's real model and optimizer (the ZeRO
+  optimizer under DeepSpeed) on every rank, and at the end of training (and every K
+  steps if asked) writes ``memory_report.json`` into ``output_dir``, prints the report
+  and ``dpkit plan``'s layout check, and sends ``memory/*`` scalars to ``report_to``.
+  It refuses, in one line, a run that trains unconnected copies or that asked for
+  DeepSpeed and runs without it (both exit 0 silently otherwise: see
+  :func:`check_trainer_run`).
+* :func:`deepspeed_config` fills a DeepSpeed config's bucket and gradient-layout keys
+  with dpkit's model-sized values (:mod:`dpkit.memory.settings`) and leaves the
+  Trainer's own ``"auto"`` values (batch sizes, clipping, optimizer) to the Trainer.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from dpkit import resources
+from dpkit.errors import UsageError
+from dpkit.memory.settings import ZERO_MEMORY_KEYS, zero_memory_settings
+from dpkit.memory.tracker import MemoryTracker
+from dpkit.memory.walk import find_ddp, inner_torch_optimizer, is_zero_optimizer, unwrap_optimizer
+from dpkit.models import ModelSizes
+from dpkit.strategy import DDP, ZERO1, ZERO2, Strategy
+from dpkit.train.deepspeed_config import (
+    config_leaves,
+    optimizer_offload,
+    read_ds_config,
+    skip_deepspeed_cpu_shm_op,
+    zero_stage_of,
+)
+from dpkit.train.ds_config_keys import check_ds_config_keys
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "MemoryReportCallback",
+    "check_trainer_run",
+    "deepspeed_config",
+    "device_arguments",
+]
+
+REPORT_FILE = "memory_report.json"
+
+# What the Trainer (transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig) or
+# accelerate fills in a DeepSpeed config: deepspeed_config() leaves these "auto".
+TRAINER_FILLS = (
+    "train_batch_size",
+    "train_micro_batch_size_per_gpu",
+    "gradient_accumulation_steps",
+    "gradient_clipping",
+    "bf16.enabled",
+    "fp16.enabled",
+    "optimizer.params.",
+    "scheduler.params.",
+)
+
+
+def device_arguments() -> dict[str, Any]:
+    """The ``TrainingArguments`` a run on this machine needs beyond the Trainer's defaults.
+
+    On a machine without CUDA: ``use_cpu=True``, and under a launcher of several
+    processes ``ddp_backend="gloo"``. Without ``use_cpu`` the Trainer's ranks train as
+    unconnected copies (DDP) or DeepSpeed fails its batch-size check (ZeRO);
+    ``ACCELERATE_USE_CPU=true`` in the environment instead turns DeepSpeed off without a
+    word. On CUDA: nothing (the Trainer picks nccl).
+
+    Call it before ``TrainingArguments``: on CPU it also keeps DeepSpeed from building
+    its shared-memory all-reduce op, which training never uses and whose 66 MB
+    ``/dev/shm`` segment per rank DeepSpeed never removes.
+    """
+    if torch.cuda.is_available():
+        return {}
+    skip_deepspeed_cpu_shm_op()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return {"use_cpu": True, "ddp_backend": "gloo"}
+    return {"use_cpu": True}  # one process: a backend would make accelerate expect a group
+
+
+def _read_config(config: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    """The config as a new dict, and what to call it in an error."""
+    if isinstance(config, Mapping):
+        where = "<dict>"
+        resolved = copy.deepcopy(dict(config))
+        check_ds_config_keys(resolved, where)
+        return resolved, where
+    shipped = config in ("zero1", "zero2")
+    path = str(resources.deepspeed_config(config)) if shipped else str(config)
+    return read_ds_config(path), path
+
+
+def deepspeed_config(
+    model: Any,
+    config: str | Mapping[str, Any] | None = None,
+    *,
+    world_size: int | None = None,
+) -> dict[str, Any] | None:
+    """A DeepSpeed config for ``TrainingArguments(deepspeed=...)`` with dpkit's ZeRO settings.
+
+    Every key of :data:`dpkit.memory.settings.ZERO_MEMORY_KEYS` (the bucket sizes,
+    ``contiguous_gradients``, ``overlap_comm``...) that the config leaves out or
+    ``"auto"`` gets the value dpkit's recipes run with, sized to ``model``
+    (:func:`dpkit.memory.settings.zero_memory_settings`); a value written in the config
+    is kept. Left alone, DeepSpeed allocates 5e8-element buckets (1.9 GiB each in fp32)
+    and the Trainer's ``"auto"`` gives hidden_size^2, which for small and mid-size models
+    means many small, slow reductions. The Trainer fills the rest (:data:`TRAINER_FILLS`).
+
+    Args:
+        model: the model to train (a ``torch.nn.Module``, or a transformers config).
+        config: ``"zero1"``/``"zero2"`` (dpkit's shipped configs), a JSON path or a dict;
+            None: the config ``accelerate launch`` was given
+            (``ACCELERATE_DEEPSPEED_CONFIG_FILE``), or None when there is none (no
+            DeepSpeed, or accelerate's own plugin settings: returned untouched as None).
+        world_size: data-parallel ranks; None: the launcher's ``WORLD_SIZE`` (1 without one).
+
+    Raises:
+        UsageError: an unreadable config, a ZeRO stage other than 1 or 2, offload that
+            DeepSpeed would not run as written, or an ``"auto"`` neither dpkit nor the
+            Trainer fills.
+    """
+    if config is None:
+        config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+        if config is None:
+            return None
+    resolved, where = _read_config(config)
+    stage = zero_stage_of(resolved, where)
+    optimizer_offload(resolved, where)
+    sizes = ModelSizes.of(model)
+    world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
+    settings = zero_memory_settings(
+        sizes.num_params,
+        sizes.hidden_size,
+        world_size=world,
+        stage=stage,
+        largest_param_numel=sizes.largest_param_numel,
+        on_cuda=torch.cuda.is_available(),
+    )
+    zero = resolved["zero_optimization"]
+    for key in ZERO_MEMORY_KEYS:
+        if zero.get(key, "auto") == "auto":
+            zero[key] = settings[key]
+    leftover = [
+        path
+        for path, value in config_leaves(resolved)
+        if value == "auto" and not any(path.startswith(fill) for fill in TRAINER_FILLS)
+    ]
+    if leftover:
+        raise UsageError(
+            f"deepspeed config {where!r}: "
+            f'{", ".join(leftover)}="auto": neither dpkit nor the Trainer fills it'
+        )
+    # Before TrainingArguments starts DeepSpeed's comm backend: on CPU it would otherwise
+    # build and leak a shared-memory all-reduce op that training never uses.
+    skip_deepspeed_cpu_shm_op()
+    return resolved
+
+
+# --- what runs -----------------------------------------------------------------------
+
+
+def _asked_for_deepspeed(args: Any) -> bool:
+    """Whether the run asked for DeepSpeed: ``TrainingArguments(deepspeed=...)``, or an
+    ``accelerate launch`` DeepSpeed config."""
+    launched = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+    return bool(getattr(args, "deepspeed", None)) or launched
+
+
+def check_trainer_run(args: Any) -> None:
+    """Refuse, in one line, a Trainer run that is not the data-parallel job the launcher started.
+
+    Two runs exit 0 without a word otherwise (transformers 5, accelerate 1.15, on a
+    machine without CUDA): ranks that each train alone (``torchrun``/``accelerate
+    launch`` without ``use_cpu=True``: no process group, no DDP, the copies drift
+    apart), and a run that asked for DeepSpeed and runs as plain DDP
+    (``ACCELERATE_USE_CPU=true`` in the environment).
+
+    Raises:
+        UsageError: naming what the launcher started and what runs.
+    """
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType
+
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    state = PartialState()
+    if launched > 1 and state.num_processes != launched:
+        raise UsageError(
+            f"WORLD_SIZE={launched}: the launcher started {launched} processes but each "
+            f"trains alone (accelerate {state.distributed_type}): unconnected copies; on a "
+            "machine without CUDA pass TrainingArguments(use_cpu=True, ddp_backend='gloo') "
+            "(dpkit.integrations.transformers.device_arguments())"
+        )
+    if _asked_for_deepspeed(args) and state.distributed_type != DistributedType.DEEPSPEED:
+        cause = (
+            "ACCELERATE_USE_CPU=true in the environment turns it off: unset it and"
+            if os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true")
+            else "on a machine without CUDA"
+        )
+        raise UsageError(
+            f"deepspeed={_describe_deepspeed(args)}: the run asked for DeepSpeed but runs "
+            f"without it (accelerate {state.distributed_type}); {cause} pass "
+            "TrainingArguments(use_cpu=True, ddp_backend='gloo')"
+        )
+
+
+def _describe_deepspeed(args: Any) -> str:
+    value = getattr(args, "deepspeed", None)
+    if isinstance(value, str):
+        return repr(value)
+    if isinstance(value, Mapping):
+        stage = (value.get("zero_optimization") or {}).get("stage")
+        return f"<a dict, ZeRO stage {stage}>"
+    return repr(os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "accelerate launch"))
+
+
+def strategy_running(model: torch.nn.Module, optimizer: Any) -> Strategy | None:
+    """The strategy the prepared model and optimizer run: ZeRO-1/2 from DeepSpeed's
+    optimizer, DDP from a DDP wrapper or a world of one; None for anything else (ZeRO-3,
+    FSDP, unconnected copies)."""
+    import torch.distributed as dist
+
+    owner = unwrap_optimizer(optimizer)
+    if is_zero_optimizer(owner):
+        return ZERO2 if getattr(owner, "partition_gradients", False) else ZERO1
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if find_ddp(model) is not None or world == 1:
+        return DDP
+    return None
+
+
+def optimizer_name(optimizer: Any) -> str | None:
+    """The analytic prediction's name for the torch optimizer inside ``optimizer``
+    (``adamw``, ``sgd``, ``sgd_momentum``), or None for one it has no figures for."""
+    torch_opt = inner_torch_optimizer(optimizer)
+    if isinstance(torch_opt, (torch.optim.Adam, torch.optim.AdamW)):
+        return "adamw"
+    if isinstance(torch_opt, torch.optim.SGD):
+        momentum = any(group.get("momentum", 0) for group in torch_opt.param_groups)
+        return "sgd_momentum" if momentum else "sgd"
+    return None
+
+
+def precision_running(args: Any, optimizer: Any) -> str:
+    """``no``, ``bf16`` or ``fp16``: under ZeRO from the dtype DeepSpeed keeps the
+    parameters in, otherwise from the Trainer's arguments (autocast)."""
+    owner = unwrap_optimizer(optimizer)
+    if is_zero_optimizer(owner):
+        dtype = owner.bit16_groups_flat[0].dtype
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+    return (
+        "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
+    )
+
+
+def optimizer_groups(optimizer: Any) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each optimizer group as the optimizer holds them: the layout
+    ZeRO flattens and partitions (DeepSpeed's ``bit16_groups``), or the torch groups."""
+    owner = unwrap_optimizer(optimizer)
+    if is_zero_optimizer(owner):
+        return [list(group) for group in getattr(owner, "bit16_groups", [])]
+    torch_opt = inner_torch_optimizer(optimizer)
+    return [list(g["params"]) for g in torch_opt.param_groups] if torch_opt is not None else []
+
+
+def model_record(
+    model: torch.nn.Module, optimizer: Any, micro_batch_size: int, name: str | None = None
+) -> dict[str, Any]:
+    """What ``dpkit plan --against`` needs of a Trainer run: the live model's layout
+    (:func:`dpkit.plan.inputs.spec_record`) with the optimizer's own groups."""
+    from dpkit.plan.inputs import spec_from_model, spec_record
+
+    config = getattr(model, "config", None)
+    name = name or getattr(config, "_name_or_path", "") or type(model).__name__
+    spec = spec_from_model(name, "trainer", model, param_groups=optimizer_groups(optimizer))
+    record = spec_record(spec)
+    record["class"] = type(model).__name__
+    record["micro_batch_size"] = int(micro_batch_size)
+    return record
+
+
+def _calling_trainer(callback: TrainerCallback) -> Any | None:
+    """The ``Trainer`` whose callback handler is calling ``callback``.
+
+    The callback API passes the unwrapped model and neither the Trainer nor its
+    wrapped model; the DDP wrapper (whose reducer buckets are memory) and the callback
+    list (the memory scalars must reach ``report_to`` before its loggers run) are the
+    Trainer's. Every event is called from a Trainer method, a few frames up.
+    """
+    frame = inspect.currentframe()
+    try:
+        for _ in range(16):
+            frame = frame.f_back if frame is not None else None
+            if frame is None:
+                return None
+            owner = frame.f_locals.get("self")
+            handler = getattr(owner, "callback_handler", None)
+            if handler is not None and any(cb is callback for cb in handler.callbacks):
+                return owner
+        return None
+    finally:
+        del frame
+
+
+def _is_main() -> bool:
+    from accelerate.state import PartialState
+
+    return PartialState().is_main_process
+
+
+class MemoryReportCallback(TrainerCallback):
+    """dpkit's per-rank memory report for any Transformers ``Trainer``.
+
+    Add it with ``Trainer(..., callbacks=[MemoryReportCallback()])``. At the first step
+    it probes the Trainer's model and optimizer on every rank where each strategy holds
+    its gradients (DDP's buckets, ZeRO's partitions and buckets); after ``probe_steps``
+    optimizer steps the probes come off, so later steps run as without it. At the last
+    step (and every ``report_every`` steps) every rank is measured and the main process
+    writes ``output_dir/memory_report.json`` (read by ``dpkit plan --against``), prints
+    the report with ``dpkit plan``'s layout check and adds ``memory/*`` scalars to that
+    step's logs, for ``report_to``.
+    """
+
+    def __init__(
+        self,
+        report_every: int = 0,
+        probe_steps: int = 3,
+        print_report: bool = True,
+        plan_check: bool = True,
+        model_name: str | None = None,
+    ) -> None:
+        """
+        Args:
+            report_every: also report every N optimizer steps (0: at the end only).
+            probe_steps: probe the first N optimizer steps (-1: every step; each probe
+                walks the rank's tensors, so later steps are left unprobed by default:
+                the model states' high-water is reached by the second step).
+            print_report: print the report (and the plan check) on the main process.
+            plan_check: set the report against ``dpkit plan --against``'s layout.
+            model_name: what the report calls the model (None: its config's
+                ``name_or_path``, or its class).
+        """
+        if report_every < 0:
+            raise UsageError(f"report_every={report_every!r}: must be 0 (end only) or positive")
+        if probe_steps < -1 or probe_steps == 0:
+            raise UsageError(
+                f"probe_steps={probe_steps!r}: must be positive, or -1 (every step): "
+                "gradients live only inside a step"
+            )
+        self.report_every = report_every
+        self.probe_steps = probe_steps
+        self.print_report = print_report
+        self.plan_check = plan_check
+        self.model_name = model_name
+        self.tracker: MemoryTracker | None = None
+        self.report_path: Path | None = None
+        self._trainer: Any = None
+        self._model_record: dict[str, Any] | None = None
+        self._pending_scalars: dict[str, float] = {}
+        self._reported_step: int | None = None
+        self._notes: list[str] = []
+
+    # --- Trainer events ---------------------------------------------------------------
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Refuse a run that is not the job the launcher started (before any step)."""
+        check_trainer_run(args)
+        self._trainer = _calling_trainer(self)
+        handler = getattr(self._trainer, "callback_handler", None)
+        if handler is not None:
+            # Reporting callbacks (wandb, tensorboard...) come before user callbacks in
+            # the Trainer's list: run first so that the memory scalars this callback
+            # adds to a step's logs reach them.
+            handler.callbacks.remove(self)
+            handler.callbacks.insert(0, self)
+
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Install the probes on the prepared model and optimizer, every rank."""
+        from accelerate.state import PartialState
+
+        check_trainer_run(args)
+        if self.tracker is not None:  # a second train() on the same Trainer
+            self.tracker.stop()
+            self.tracker = None
+        self._reported_step = None
+        trainer = self._trainer or _calling_trainer(self)
+        wrapped = getattr(trainer, "model_wrapped", None) or model
+        strategy = strategy_running(wrapped, optimizer)
+        if strategy is None:  # ZeRO-3, FSDP...: the run is fine, dpkit cannot measure it
+            if _is_main():
+                logger.warning(
+                    "dpkit: MemoryReportCallback: no memory report for this run: it is neither "
+                    "DDP nor DeepSpeed ZeRO-1/2 (optimizer %s, model %s)",
+                    type(unwrap_optimizer(optimizer)).__name__,
+                    type(wrapped).__name__,
+                )
+            return
+        if _asked_for_deepspeed(args) and not strategy.uses_deepspeed:
+            raise UsageError(
+                f"deepspeed={_describe_deepspeed(args)}: the run asked for DeepSpeed but "
+                f"trains with {type(unwrap_optimizer(optimizer)).__name__}"
+            )
+        name = optimizer_name(optimizer)
+        owner = unwrap_optimizer(optimizer)
+        offload = "cpu" if getattr(owner, "cpu_offload", False) else None
+        self.tracker = MemoryTracker(
+            PartialState(),
+            wrapped,
+            optimizer,
+            strategy=strategy,
+            precision=precision_running(args, optimizer),
+            optimizer_name=name or "adamw",
+            offload_optimizer=offload,
+            probe_steps=self.probe_steps,
+        )
+        self._notes = []
+        if name is None:
+            self._notes.append(
+                f"optimizer {type(inner_torch_optimizer(optimizer)).__name__}: the prediction "
+                "assumes AdamW's 8 bytes of state per parameter"
+            )
+        if trainer is None:
+            self._notes.append(
+                "the Trainer was not found from the callback: DDP's reducer buckets are not counted"
+            )
+        self._model_record = model_record(
+            model if model is not None else wrapped,
+            optimizer,
+            args.per_device_train_batch_size,
+            self.model_name,
+        )
+        self.report_path = Path(args.output_dir) / REPORT_FILE
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """Remove the probes after ``probe_steps``; report when due (a collective)."""
+        if self.tracker is None:
+            return control
+        step = state.global_step
+        self.tracker.step_done(step)
+        due = self.report_every > 0 and step % self.report_every == 0
+        if due or step >= state.max_steps:
+            self._report(step)
+            control.should_log = True  # the memory scalars go out with this step's logs
+        return control
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """Add the pending ``memory/*`` scalars to the logs the Trainer sends to ``report_to``."""
+        if self._pending_scalars and logs is not None:
+            logs.update(self._pending_scalars)
+            self._pending_scalars = {}
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Report once more if training stopped before the last step's report."""
+        if self.tracker is None:
+            return
+        if self._reported_step != state.global_step:
+            self._report(state.global_step)
+        self.tracker.stop()
+
+    # --- the report -------------------------------------------------------------------
+
+    def _report(self, step: int) -> None:
+        report = self.tracker.report(step)  # a collective: every rank measures
+        self._reported_step = step
+        if report is None:
+            return
+        report.notes.extend(self._notes)
+        report.model = self._model_record
+        report.save(self.report_path)
+        self._pending_scalars = {
+            key: value
+            for key, value in report.tracker_scalars().items()
+            if not key.startswith(("memory/rank", "memory/error_pct/"))
+        }
+        if self.print_report:
+            text = f"dpkit memory report, step {step}\n{report.format_table()}"
+            if self.plan_check:
+                text += "\n\n" + self._plan_text()
+            print(text, flush=True)
+
+    def _plan_text(self) -> str:
+        from dpkit.plan.check import check_run, format_check
+
+        try:
+            return format_check(check_run(self.report_path.parent))
+        except UsageError as err:
+            return f"dpkit plan --against: not available for this run ({err})"
