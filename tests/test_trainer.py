@@ -14,21 +14,11 @@ are refused in one line.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.harness import (
-    BIN,
-    REPO,
-    Launch,
-    accelerate_cmd,
-    deepspeed_cmd,
-    launch_env,
-    run,
-    torchrun_cmd,
-)
+from tests.harness import REPO, Launch, accelerate_cmd, deepspeed_cmd, run, torchrun_cmd
 
 RECIPE = "recipes/trainer_finetune.py"
 PSI = 22_713_986  # MiniLM with a 2-class head: what transformers counts (checked below)
@@ -110,13 +100,11 @@ STRATEGY = {
 
 
 def plan_against(folder: Path) -> dict:
-    """``dpkit plan --against FOLDER --json``, the command a user runs."""
-    result = subprocess.run(
-        [str(BIN / "dpkit"), "plan", "--against", str(folder), "--json"],
-        capture_output=True, text=True, cwd=REPO, env=launch_env(), timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout)
+    """What ``dpkit plan --against FOLDER --json`` prints (its own functions, in this
+    process: the command itself is run by tests/test_memory_multiprocess.py)."""
+    from dpkit.plan.check import check_dict, check_run
+
+    return check_dict(check_run(folder))
 
 
 @pytest.mark.multiprocess
