@@ -54,7 +54,7 @@ bench-zero: setup
 	$(VENV)/bin/dpkit bench $$($(PY) -c "import torch; print('' if torch.cuda.is_available() else '$(BENCH_CPU_ARGS)')") --output-dir bench_results/latest
 
 test: setup lint
-	$(PY) -m pytest -ra --durations=15 tests
+	$(PY) -m pytest -ra --durations=40 tests
 
 test-fast: setup
 	$(PY) -m pytest -ra -m "not multiprocess" tests

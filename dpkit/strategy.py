@@ -47,6 +47,14 @@ class Strategy:
         torch DDP updates the module's own fp32 parameters."""
         return self.engine == "deepspeed"
 
+    def offloaded(self) -> Strategy:
+        """The variant that keeps optimizer state and master weights in host memory
+        (ZeRO-2 -> ZeRO-2 offload); the strategy itself where there is none."""
+        for other in STRATEGIES.values():
+            if other.offload and (other.engine, other.zero_stage) == (self.engine, self.zero_stage):
+                return other
+        return self
+
     def __str__(self) -> str:
         return self.name
 

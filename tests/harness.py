@@ -65,6 +65,15 @@ def assert_refused(
         assert not output_dir.exists(), "nothing may be written for a refused run"
 
 
+def max_rel_diff(values: list[float], reference: list[float], length: int | None = None) -> float:
+    """The largest |value - reference| / |reference| over paired series (losses, say) of
+    equal, non-zero length (``length`` when given)."""
+    assert len(values) == len(reference) > 0, (len(values), len(reference))
+    if length is not None:
+        assert len(values) == length, (len(values), length)
+    return max(abs(a - b) / abs(b) for a, b in zip(values, reference, strict=True))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from dpkit.bench import cli as bench_cli
 from dpkit.bench import launch as bench
 from dpkit.data import lm as lm_data
 from dpkit.errors import UsageError
+from tests.harness import max_rel_diff
 
 NPROC = 2
 WARMUP, STEPS = 1, 2
@@ -158,11 +159,6 @@ def _raw_log(run_dir: str) -> list[dict]:
     return [json.loads(line) for line in lines]
 
 
-def _rel_dev(losses: list[float], reference: list[float]) -> float:
-    assert len(losses) == len(reference) > 0
-    return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
-
-
 def _worst_rank_total(run_dir: str) -> float:
     """The largest per-rank sum of the categories, from the run's own memory report."""
     report = json.loads((Path(run_dir) / "memory_report.json").read_text())
@@ -245,10 +241,10 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         bare = bench.bare_run_name(name)
         assert row["dpkit_over_bare_step_time"] == pytest.approx(medians[name] / medians[bare])
         # Numerically the same training: against DDP, and against the bare twin.
-        deviation = _rel_dev(raw_losses[name], raw_losses["ddp"])
+        deviation = max_rel_diff(raw_losses[name], raw_losses["ddp"])
         assert deviation < LOSS_RTOL, (name, deviation)
         assert row["loss_max_rel_dev_vs_ddp"] == pytest.approx(deviation, abs=1e-12)
-        assert _rel_dev(raw_losses[bare], raw_losses[name]) < LOSS_RTOL, name
+        assert max_rel_diff(raw_losses[bare], raw_losses[name]) < LOSS_RTOL, name
         # dpkit plan for each run, gradients laid out as DeepSpeed holds them.
         plan = runs[name]["plan"]
         assert plan["strategy"] == name and plan["world_size"] == n

@@ -19,7 +19,7 @@ import torch
 
 from dpkit.errors import UsageError
 from dpkit.train import checkpoint
-from tests.harness import REPO, accelerate_cmd, python_cmd, run, score_model_folder
+from tests.harness import REPO, accelerate_cmd, max_rel_diff, python_cmd, run, score_model_folder
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,11 +44,6 @@ YAML = {s: ["--config_file", f"ds_configs/accelerate/{s}.yaml"] for s in ("ddp",
 SAME_RUN_RTOL = 1e-6
 # Across strategies and world sizes: the equivalence tolerance of tests/test_launchers.py.
 CROSS_RTOL = 2e-3
-
-
-def _rel_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) > 0
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
 def _launch(strategy: str, nproc: int, out: Path, *args: str):
@@ -103,7 +98,7 @@ def _check_continues(ref, resumed, rtol: float) -> None:
     """Steps 4-6 of the resumed run follow the uninterrupted trajectory."""
     assert [r["step"] for r in resumed.train_log] == [4, 5, 6]
     after = [r["loss"] for r in ref.train_log][3:]
-    assert _rel_diff(resumed.losses, after) < rtol
+    assert max_rel_diff(resumed.losses, after) < rtol
     lrs = [r["lr"] for r in ref.train_log][3:]
     assert [r["lr"] for r in resumed.train_log] == pytest.approx(lrs, rel=1e-12)
     # The trajectory moves: agreement is not an artefact of a frozen model.
@@ -281,7 +276,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_p
     log = (run_dir / "train_log.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in log] == [1, 2, 3, 4, 5, 6]
     before = [json.loads(x)["loss"] for x in ref_log]
-    assert _rel_diff([json.loads(x)["loss"] for x in log], before) < SAME_RUN_RTOL
+    assert max_rel_diff([json.loads(x)["loss"] for x in log], before) < SAME_RUN_RTOL
     # The new save replaced the partial folder.
     assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step-000003", "step-000006"]
     assert not list(ckpts.glob(".tmp-*"))

@@ -17,6 +17,7 @@ from tests.harness import (
     SHORT_RUN,
     accelerate_cmd,
     deepspeed_cmd,
+    max_rel_diff,
     python_cmd,
     run,
     torchrun_cmd,
@@ -176,21 +177,16 @@ ZERO_STAGES_RTOL = 1e-5
 DDP_VS_ZERO_RTOL = 2e-3
 
 
-def _max_rel_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == 6
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
 def test_zero1_and_zero2_losses_agree(launched):
     zero1 = launched("accelerate_zero1_yaml").losses
     zero2 = launched("accelerate_zero2_yaml").losses
-    assert _max_rel_diff(zero1, zero2) < ZERO_STAGES_RTOL
+    assert max_rel_diff(zero1, zero2, length=6) < ZERO_STAGES_RTOL
 
 
 def test_ddp_and_zero_losses_agree(launched):
     ddp = launched("accelerate_ddp_yaml").losses
     for name in ("accelerate_zero1_yaml", "deepspeed_zero2"):
-        assert _max_rel_diff(launched(name).losses, ddp) < DDP_VS_ZERO_RTOL, name
+        assert max_rel_diff(launched(name).losses, ddp, length=6) < DDP_VS_ZERO_RTOL, name
     # The trajectory moves (these steps span ~0.03 in loss): agreement is not an
     # artefact of a frozen model or of one repeated batch.
     assert max(ddp) - min(ddp) > 5 * DDP_VS_ZERO_RTOL * max(ddp)
@@ -204,7 +200,7 @@ def test_two_processes_match_one_process_with_accumulation(launched, tmp_path):
     ).check()
     assert single.run_info["global_batch_size"] == 32
     two = launched("accelerate_ddp_yaml")
-    assert _max_rel_diff(single.losses, two.losses) < DDP_VS_ZERO_RTOL
+    assert max_rel_diff(single.losses, two.losses, length=6) < DDP_VS_ZERO_RTOL
     assert [r["lr"] for r in single.train_log] == pytest.approx([r["lr"] for r in two.train_log])
 
 

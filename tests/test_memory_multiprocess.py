@@ -18,6 +18,7 @@ model-state total within 10% (``dpkit plan --against RUN_DIR``).
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -86,6 +87,12 @@ def runs_root(module_tmp) -> Path:
     return module_tmp
 
 
+@functools.cache
+def minilm_spec():
+    """The recipe's MiniLM with its classification head, built once on the meta device."""
+    return load_model(MINILM, task="sequence_classification")
+
+
 def _within(measured: float, expected: float, rel: float) -> bool:
     return abs(measured - expected) <= rel * expected
 
@@ -116,7 +123,7 @@ def layout_grads_per_rank(root: Path, strategy: str, world_size: int) -> tuple[l
     settings, and the run's reduce bucket in bytes."""
     run_dir = root / f"{strategy}-{world_size}"
     zero = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]
-    spec = load_model(MINILM, task="sequence_classification")
+    spec = minilm_spec()
     rows = gradient_high_water(
         spec.param_groups,
         stage=int(strategy[-1]),

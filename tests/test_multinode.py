@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import BIN, RECIPE, SHORT_RUN, accelerate_cmd, free_port, run, run_nodes
+from tests.harness import (
+    BIN,
+    RECIPE,
+    SHORT_RUN,
+    accelerate_cmd,
+    free_port,
+    max_rel_diff,
+    run,
+    run_nodes,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -96,11 +105,6 @@ def one_node(module_tmp):
     _references.clear()
 
 
-def _max_rel_diff(a: list[float], b: list[float]) -> float:
-    assert len(a) == len(b) == 6
-    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
-
-
 @pytest.mark.parametrize("name", list(TWO_NODES))
 def test_two_nodes_match_one_node(name, one_node, tmp_path):
     strategy, distributed_type, node_cmd, node1_elsewhere = TWO_NODES[name]
@@ -132,7 +136,7 @@ def test_two_nodes_match_one_node(name, one_node, tmp_path):
 
     reference = one_node(strategy)
     assert reference.run_info["world_size"] == 2
-    assert _max_rel_diff(node0.losses, reference.losses) < SAME_STRATEGY_RTOL
+    assert max_rel_diff(node0.losses, reference.losses, length=6) < SAME_STRATEGY_RTOL
     assert [r["lr"] for r in node0.train_log] == pytest.approx(
         [r["lr"] for r in reference.train_log]
     )

@@ -184,3 +184,11 @@ def test_lr_scaling_rules():
     assert scaled_learning_rate(1e-4, "none", 8, 2) == 1e-4
     assert scaled_learning_rate(1e-4, "linear", 8, 2) == pytest.approx(1.6e-3)
     assert scaled_learning_rate(1e-4, "sqrt", 8, 2) == pytest.approx(4e-4)
+
+
+def test_the_offload_variant_of_each_strategy():
+    from dpkit.strategy import DDP, ZERO1, ZERO2, ZERO2_OFFLOAD
+
+    assert ZERO2.offloaded() is ZERO2_OFFLOAD and ZERO2_OFFLOAD.offloaded() is ZERO2_OFFLOAD
+    assert ZERO1.offloaded() is ZERO1  # no ZeRO-1 offload row: planned as ZeRO-1
+    assert DDP.offloaded() is DDP

@@ -31,6 +31,7 @@ from dpkit.plan.inputs import (
     spec_from_config,
     spec_from_record,
 )
+from dpkit.strategy import get_strategy
 
 CATEGORIES = MODEL_STATES
 """The rows of the check: the model states, one by one."""
@@ -146,12 +147,12 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         seq_len=seq_len,
     )
     settings = _run_settings(report, buffer_settings(spec, world_size))
-    strategy = report["strategy"]
+    strategy = get_strategy(report["strategy"])
     on_gpu = str(report.get("device", "cpu")).startswith("cuda")
-    if report.get("offload_optimizer") and on_gpu and strategy == "zero2":
+    if report.get("offload_optimizer") and on_gpu:
         # Optimizer state and master weights off the GPU: the plan's offload row. (A CPU
         # run's host memory is its device memory: planned, and measured, as ZeRO-2.)
-        strategy = "zero2_offload"
+        strategy = strategy.offloaded()
     row: StrategyEstimate = estimate(inputs, strategy, inputs.micro_batch, None, settings)
     predicted = {c: float(getattr(row, c)) for c in CATEGORIES}
     predicted["total"] = sum(predicted.values())
