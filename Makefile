@@ -70,10 +70,9 @@ format: setup
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# One short GPU check (for a lent GPU machine): the memory report of DDP and ZeRO-2
-# on one GPU, bf16, printed at the end of each run.
-GPU_CHECK_ARGS := --max-steps 30 --max-train-samples 4000 --max-eval-samples 500 --mixed-precision bf16 --overwrite-output-dir
+# The GPU check (a machine with CUDA; under 10 minutes on one GPU): finetune.py as DDP and
+# ZeRO-2 in bf16 (memory report against the prediction and `dpkit plan --against`),
+# pytest -m gpu, train_lm.py's tokens/s and MFU; every figure asserted, one line per failure,
+# runs/gpu-check/results.json. Without CUDA: one line and exit code 2 (dpkit/bench/gpu_check.py).
 gpu-check: setup
-	$(PY) -c "import torch; assert torch.cuda.is_available(), 'gpu-check needs CUDA'; print(torch.cuda.get_device_name(0))"
-	$(PY) recipes/finetune.py $(GPU_CHECK_ARGS) --output-dir runs/gpu-check-ddp
-	$(PY) recipes/finetune.py $(GPU_CHECK_ARGS) --strategy zero2 --output-dir runs/gpu-check-zero2
+	$(PY) -m dpkit.bench.gpu_check --output-dir runs/gpu-check

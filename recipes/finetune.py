@@ -139,8 +139,9 @@ def main() -> None:
     # Train. From here on SIGTERM/SIGINT finish the step, save and exit (dpkit.StepGuard).
     memory = run.track_memory(model, optimizer)
     guard = dpkit.StepGuard(accelerator)
+    # The log counts skipped (fp16 overflow) steps into `position`, so checkpoints keep the count.
     log = dpkit.TrainingLog(accelerator, output, total_steps=schedule.total_steps,
-                            logging_steps=train_cfg.logging_steps, initial_step=position.step,
+                            logging_steps=train_cfg.logging_steps, position=position,
                             memory=memory)  # fmt: skip
     started = time.perf_counter()
     model.train()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,34 @@ SHM = Path("/dev/shm")
 # module holds about 3 GB at once. Below this the session would fail half-way, in runs
 # that die on ENOSPC with errors about everything but the disk.
 MIN_FREE_DISK_GIB = 6
+
+
+def hides_gpus(markexpr: str) -> bool:
+    """Whether a pytest run with ``-m markexpr`` runs without GPUs: all but ``-m gpu``."""
+    return markexpr.strip() != "gpu"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Hide the GPUs from the CPU suite, unless the run selects only ``gpu`` tests.
+
+    The suite asserts CPU outcomes (gloo, MULTI_CPU, ZeRO's CPU buckets); on a CUDA box
+    torch, accelerate and DeepSpeed would pick the GPUs and NCCL instead, and several
+    ranks on one GPU fail. ``CUDA_VISIBLE_DEVICES=""`` set here, before any test module
+    imports torch, reaches this process and every launch the tests start (they copy
+    ``os.environ``). ``pytest -m gpu`` keeps the GPUs; a run that mixes GPU and CPU
+    tests (no ``-m`` at all, ``-m "not multiprocess"``) hides them, and its ``gpu``
+    tests skip as they do without a GPU. ``deepspeed --num_gpus N`` gives its workers
+    ``CUDA_VISIBLE_DEVICES=0..N-1`` whichever accelerator it picks
+    (``deepspeed/launcher/launch.py``): ``tests.harness.deepspeed_cmd`` hides them again
+    in the worker command on a machine with GPUs.
+    """
+    if not hides_gpus(config.getoption("markexpr")):
+        return
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        # CUDA reads CUDA_VISIBLE_DEVICES once, when it initialises.
+        pytest.exit("CUDA was initialised before tests/conftest.py could hide the GPUs", 2)
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

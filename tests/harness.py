@@ -174,10 +174,16 @@ def accelerate_cmd(launch_args: list[str], *args: str, recipe: str = RECIPE) -> 
 
 
 def deepspeed_cmd(nproc: int, *args: str, recipe: str = RECIPE) -> list[str]:
-    return [
+    launcher = [
         str(BIN / "deepspeed"), "--num_gpus", str(nproc), "--master_port", str(free_port()),
-        recipe, *args,
     ]  # fmt: skip
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "" and Path("/dev/nvidiactl").exists():
+        # A GPU machine running the CPU suite (tests/conftest.py hid the GPUs): the
+        # launcher sets CUDA_VISIBLE_DEVICES=0..N-1 for its workers whatever accelerator
+        # it picked, so the worker command hides them again (and reads LOCAL_RANK).
+        worker = ["env", "CUDA_VISIBLE_DEVICES=", sys.executable, "-u"]
+        return [*launcher, "--no_local_rank", "--no_python", *worker, recipe, *args]
+    return [*launcher, recipe, *args]
 
 
 def torchrun_cmd(nproc: int, *args: str, recipe: str = RECIPE) -> list[str]:

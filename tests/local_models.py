@@ -48,8 +48,11 @@ def _tokenizer(kind: str):
     return PreTrainedTokenizerFast(tokenizer_object=backend, **SPECIAL[kind])
 
 
-def build(kind: str, folder: Path) -> Path:
-    """A tiny ``kind`` (gpt2, llama, roberta) checkpoint saved in ``folder``."""
+def build(kind: str, folder: Path, odd_width: bool = False) -> Path:
+    """A tiny ``kind`` (gpt2, llama, roberta) checkpoint saved in ``folder``.
+
+    ``odd_width`` (roberta): hidden size 63, so that the classifier built on it has an
+    odd parameter count (DeepSpeed asserts its bucket sizes are even)."""
     import torch
     from transformers import (
         GPT2Config,
@@ -78,9 +81,11 @@ def build(kind: str, folder: Path) -> Path:
         )  # fmt: skip
         model = LlamaForCausalLM(config)
     else:
+        width, heads = (63, 3) if odd_width else (64, 2)
         config = RobertaConfig(
-            vocab_size=size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=2, max_position_embeddings=130, type_vocab_size=1,
+            vocab_size=size, hidden_size=width, intermediate_size=2 * width,
+            num_hidden_layers=2, num_attention_heads=heads, max_position_embeddings=130,
+            type_vocab_size=1,
             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
         )  # fmt: skip

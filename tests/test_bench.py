@@ -20,6 +20,7 @@ import pytest
 
 from dpkit.bench import cli as bench_cli
 from dpkit.bench import launch as bench
+from dpkit.bench import results as bench_results
 from dpkit.data import lm as lm_data
 from dpkit.errors import UsageError
 from tests.harness import max_rel_diff
@@ -77,6 +78,30 @@ def test_zero_overrides_parse_json_values():
         gpu_count=0,
     )
     assert settings["zero_overrides"] == {"overlap_comm": True, "reduce_bucket_size": 500_000_000}
+
+
+def test_bf16_reaches_every_training_launch_and_the_checks(tmp_path):
+    settings = bench_cli.resolve_settings(_args("--mixed-precision", "bf16"), gpu_count=0)
+    assert settings["mixed_precision"] == "bf16"
+    phases = bench.plan_phases(settings, tmp_path)
+    training = [p for p in phases if p.trains]
+    assert len(training) == 6  # dpkit and bare, for each of the three strategies
+    for phase in training:
+        flag = phase.cmd.index("--mixed-precision")
+        assert phase.cmd[flag + 1] == "bf16", phase.cmd
+    with pytest.raises(SystemExit):  # fp16's bare twins would need loss scaling of their own
+        _args("--mixed-precision", "fp16")
+    # In bf16 ZeRO-2's gradient partition is 16-bit against DDP's fp32 (autocast): half
+    # of DDP/N; and the losses are held to the bf16 tolerance.
+    row = {"grads_partition_ratio_vs_ddp": 0.25, "loss_max_rel_dev_vs_ddp": 0.01}
+    found = {c["check"]: c["ok"] for c in bench_results.checks({"zero2": row}, 2, "bf16")}
+    assert found == {
+        "gradient partition per rank = DDP/2 x 0.5": True,
+        "loss deviation from DDP < 0.015625": True,
+    }
+    fp32 = {c["check"]: c["ok"] for c in bench_results.checks({"zero2": row}, 2, "fp32")}
+    assert fp32["gradient partition per rank = DDP/2"] is False
+    assert fp32["loss deviation from DDP < 0.002"] is False
 
 
 def test_bare_batches_are_the_ones_accelerate_gives_each_rank():

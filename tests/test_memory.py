@@ -210,6 +210,48 @@ def test_a_category_above_prediction_is_named_with_its_holders():
     assert "above prediction: grads" in report.format_table()
 
 
+def test_a_gpu_peak_is_split_on_the_device_not_against_host_rss():
+    """On CUDA the counted tensors are device bytes: the breakdown is of max_allocated,
+    never host RSS minus device bytes."""
+    from dpkit.memory.tracker import peak_breakdown
+
+    baseline = {"rss": 2.0e9, "counted_tensors": 0.5e9}
+    gpu_peak = {"headline": "max_allocated", "max_allocated": 3.0e9, "rss_high_water": 2.5e9}
+    assert peak_breakdown(gpu_peak, baseline, 1.0e9) == {"allocated_rest_at_peak": 2.0e9}
+    cpu_peak = {"headline": "rss_high_water", "rss_high_water": 2.5e9}
+    assert peak_breakdown(cpu_peak, baseline, 1.0e9) == {
+        "rss_runtime_at_track": 1.5e9,
+        "rss_rest_at_peak": 0.0,
+    }
+    report = _zero2_report()
+    for row in report.ranks:
+        row["peak"] = {**gpu_peak, **peak_breakdown(gpu_peak, baseline, 1.0e9)}
+        row["largest_moment"] = {"total": 1.0e9}
+    lines = [line for line in report.format_table().splitlines() if "= counted" in line]
+    assert lines[0] == (
+        "rank 0 max allocated 2,861.0 MiB = counted tensors at worst moment 953.7 + rest "
+        "1,907.3 (activations, workspace)"
+    )
+    assert "rss" not in report.format_table().split("saved vs full replication")[1]
+
+
+def test_a_mixed_precision_zero_report_names_the_papers_gradient_figure():
+    psi, n = 1_000_000, 2
+    rows = [_row(r, params=2 * psi, grads=6 * psi / n) for r in range(n)]
+    report = MemoryReport(
+        strategy="zero2", precision="bf16", world_size=n, num_params=psi, ranks=rows
+    )
+    assert report.predicted.grads == 6 * psi / n
+    assert report.to_dict()["predicted_grads_paper"] == 2 * psi / n
+    assert report.error_pct()["grads"] == pytest.approx(0.0)
+    assert (
+        "predicted grads 2.9 MiB = the 16-bit gradients plus the fp32 partition DeepSpeed's "
+        "step casts from them for the master weights; the ZeRO paper counts 1.0 MiB"
+    ) in report.format_table()
+    fp32 = _zero2_report()
+    assert "the ZeRO paper counts" not in fp32.format_table()
+
+
 def test_error_pct_definition():
     assert error_pct(110.0, 100.0) == pytest.approx(10.0)
     assert error_pct(0.0, 0.0) == 0.0
@@ -403,6 +445,9 @@ def test_zero_settings_size_the_bucket_to_the_model_not_deepspeeds_default():
     # A model smaller than the floor never gets a bucket larger than itself.
     tiny = memory.zero_memory_settings(1000, 384, world_size=2, stage=2)
     assert tiny["reduce_bucket_size"] == 1000
+    # DeepSpeed asserts even bucket sizes: an odd model rounds up.
+    odd = memory.zero_memory_settings(1001, 384, world_size=2, stage=2)
+    assert odd["reduce_bucket_size"] == odd["allgather_bucket_size"] == 1002
     huge = memory.zero_memory_settings(10**12, 10**6, world_size=8, stage=2)
     assert huge["reduce_bucket_size"] == 500_000_000
     # Before the model is built (no parameter count): the same rule, uncapped.
@@ -419,14 +464,16 @@ def test_zero_settings_follow_the_measurements():
     stage1 = memory.zero_memory_settings(**MINILM, world_size=4, stage=1)
     assert stage1["contiguous_gradients"] is False
     cuda2 = memory.zero_memory_settings(**MINILM, world_size=2, stage=2, on_cuda=True)
-    assert cuda2["overlap_comm"] is True
+    assert cuda2["overlap_comm"] is False, "without contiguous gradients: previous_reduced_grads"
     cuda1 = memory.zero_memory_settings(**MINILM, world_size=2, stage=1, on_cuda=True)
     assert cuda1["overlap_comm"] is False, "ZeRO-1 would reduce inside backward"
-    # No single parameter dominates a partition: keep contiguous buffers.
-    even = memory.zero_memory_settings(
-        10**9, 4096, world_size=8, stage=2, largest_param_numel=10**7
-    )
-    assert even["contiguous_gradients"] is True
+    # No single parameter dominates a partition: keep contiguous buffers, and overlap
+    # ZeRO-2's reduction with backward on CUDA.
+    even = dict(num_params=10**9, hidden_size=4096, largest_param_numel=10**7)
+    even_cpu = memory.zero_memory_settings(**even, world_size=8, stage=2)
+    assert even_cpu["contiguous_gradients"] is True and even_cpu["overlap_comm"] is False
+    even_cuda = memory.zero_memory_settings(**even, world_size=8, stage=2, on_cuda=True)
+    assert even_cuda["overlap_comm"] is True
     assert set(cpu2) <= set(memory_settings.REASONS)
 
 
@@ -437,31 +484,69 @@ def test_zero_settings_reject_what_they_do_not_cover(bad):
         memory.zero_memory_settings(100, 8, **args)
 
 
+def _allocated_after_a_warm_up_step(device: torch.device) -> float:
+    """Bytes allocated once TiedModel's kinds of layers have run forward and backward on
+    ``device``: other tests' live tensors, and the cuBLAS/cuBLASLt workspaces, which come
+    from the caching allocator per thread (the forward's and autograd's) and stay."""
+    warm = TiedModel(vocab=64, dim=64).to(device)
+    warm(torch.randint(0, 64, (2, 8), device=device)).float().pow(2).mean().backward()
+    del warm
+    torch.cuda.synchronize(device)
+    return float(torch.cuda.memory_allocated(device))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_peak_figures_and_counted_tensors_fit_in_the_allocator_peak():
+def test_cuda_report_matches_the_prediction_and_its_peak_lies_between_its_bounds():
     device = torch.device("cuda", torch.cuda.current_device())
+    before = _allocated_after_a_warm_up_step(device)
     accelerator = SimpleNamespace(process_index=0, device=device)
-    model = TiedModel(vocab=5000, dim=256).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # 21M parameters (16 bytes each: 336 MB of model states) against a 2 x 8-token batch
+    # (activations under 1 MB): the bounds below are the model states' and the step's.
+    model = TiedModel(vocab=1024, dim=4096).to(device)
+    params = list({id(p): p for p in model.parameters()}.values())
+    param_bytes = _nbytes(params)
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=True)  # the step the bounds reason about
     tracker = MemoryTracker(accelerator, model, opt, strategy="ddp", precision="fp32")
     try:
         for _ in range(2):
-            loss = model(torch.randint(0, 5000, (16, 64), device=device)).float().pow(2).mean()
+            loss = model(torch.randint(0, 1024, (2, 8), device=device)).float().pow(2).mean()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-        row = tracker.measure()
+        report = tracker.report(step=2).to_dict()
     finally:
         tracker.stop()
-    peak = row["peak"]
-    assert peak["headline"] == "max_allocated"
-    assert 0 < peak["max_allocated"] <= peak["max_reserved"] <= peak["device_capacity"]
-    assert 0 < peak["max_allocated_pct"] < 100
-    assert peak["num_alloc_retries"] >= 0 and peak["num_ooms"] == 0
-    param_bytes = _nbytes({id(p): p for p in model.parameters()}.values())
+    row, peak = report["ranks"][0], report["ranks"][0]["peak"]
+    assert report["device"] == str(device)
+    assert peak["headline"] == "max_allocated" and peak["num_ooms"] == 0
+    # fp32 DDP: 4 + 4 + 8 bytes per parameter and no master copy, as predicted, to the byte
+    # but for AdamW's step counters (a 4-byte CPU scalar per parameter tensor).
     assert row["params"] == row["grads"] == param_bytes
-    # Everything counted at one moment was allocated at once: it fits under the peak.
-    assert row["largest_moment"]["total"] <= peak["max_allocated"]
-    assert row["activations"] > 0
+    held = row["holders"]["optimizer"]
+    assert held["exp_avg"] == held["exp_avg_sq"] == param_bytes
+    step_counters = held.get("step", 0.0)
+    assert step_counters <= 4 * len(params)
+    for category in ("params", "grads", "optimizer", "master"):
+        predicted = report["predicted"][category]
+        assert report["measured"][category] - predicted == (
+            step_counters if category == "optimizer" else 0.0
+        ), category
+    assert report["error_pct"]["total"] == pytest.approx(0.0, abs=1e-4)
+    # The peak of this test's tensors, between two bounds a wrong figure leaves:
+    # lower, foreach AdamW's step holds every model state on the GPU plus one temporary the
+    # size of the parameters (sqrt of exp_avg_sq) while the gradients live (zero_grad frees
+    # them after it); a figure that is not the allocator's high-water falls below it.
+    peak_of_test = peak["max_allocated"] - before
+    on_gpu_states = row["model_state_total"] - step_counters
+    assert peak_of_test >= on_gpu_states + param_bytes
+    # Upper, nothing else this large is alive: backward holds the saved activations and at
+    # most three more of their size (the loss's gradients), 8 MiB cover the batch, the loss
+    # and the allocator's rounding. A second copy of any category (21-168 MB) breaks it.
+    activations = row["activations"]
+    assert 0 < activations < 2**20
+    assert peak_of_test <= (
+        on_gpu_states + row["buffers_total"] + param_bytes + 4 * activations + 8 * 2**20
+    )
+    assert row["largest_moment"]["total"] - step_counters <= peak_of_test
     assert "GiB" in memory.current_summary(device)

@@ -16,7 +16,7 @@ import pytest
 
 from dpkit import models
 from dpkit.errors import UsageError
-from dpkit.memory.analytic import model_state_bytes
+from dpkit.memory.analytic import model_state_bytes, paper_grad_bytes
 from dpkit.plan import activations
 from dpkit.plan import estimate as plan
 from dpkit.plan import inputs as plan_inputs
@@ -64,7 +64,9 @@ OWN_STATE = {"adamw": 8, "sgd_momentum": 4, "sgd": 0}
 @pytest.mark.parametrize("psi", PSIS)
 def test_mixed_precision_follows_zero_paper(psi, world_size, optimizer, precision):
     """Mixed precision: DDP (2+2+K)Psi; ZeRO-1 2Psi+2Psi+K*Psi/N; ZeRO-2 2Psi+(2+K)Psi/N;
-    ZeRO-3 (2+2+K)Psi/N (Rajbhandari et al. 2020, figure 1 and section 5)."""
+    ZeRO-3 (2+2+K)Psi/N (Rajbhandari et al. 2020, figure 1 and section 5), plus, under
+    ZeRO-1/2, the fp32 gradient partition DeepSpeed's step casts beside the 16-bit
+    gradients (4Psi/N; ZeRO-1's full 16-bit gradients can be larger)."""
     k, n = PAPER_K_MIXED[optimizer], world_size
 
     def states(strategy):
@@ -74,12 +76,15 @@ def test_mixed_precision_follows_zero_paper(psi, world_size, optimizer, precisio
     # the same total as the paper's 16-bit params and grads plus K.
     assert states("ddp").total == (2 + 2 + k) * psi
     zero1, zero2, zero3 = states("zero1"), states("zero2"), states("zero3")
-    assert zero1.total == 2 * psi + 2 * psi + k * psi // n
-    assert zero2.total == 2 * psi + (2 + k) * psi // n
+    zero1_grads = max(2 * psi, (2 + 4) * psi // n)
+    assert zero1.total == 2 * psi + zero1_grads + k * psi // n
+    assert zero2.total == 2 * psi + (2 + 4 + k) * psi // n
     assert zero3.total == (2 + 2 + k) * psi // n
     for sharded in (zero1, zero2, zero3):
         assert sharded.optimizer + sharded.master == k * psi // n
-    assert (zero1.grads, zero2.grads) == (2 * psi, 2 * psi // n)
+    assert (zero1.grads, zero2.grads) == (zero1_grads, (2 + 4) * psi // n)
+    paper = [paper_grad_bytes(psi, s, n, precision) for s in ("zero1", "zero2", "zero3")]
+    assert paper == [2 * psi, 2 * psi // n, 2 * psi // n]
 
 
 @pytest.mark.parametrize("optimizer", sorted(OWN_STATE))
@@ -121,17 +126,17 @@ def _ds_estimators():
 @pytest.mark.parametrize("psi", PSIS)
 def test_zero2_matches_deepspeed_estimator(psi, gpus_per_node):
     """DeepSpeed: gpu = 2P + 18P/N, "2 = params_16bit, 18 = 2_grads_16bit +
-    4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit". The 4-byte fp32
-    gradient partition is not a model state in dpkit.memory.analytic: the planner
-    counts it as a step temporary. Together they are DeepSpeed's figure.
-    DeepSpeed's estimate leaves out torch AdamW's foreach temporary, so that
-    term is excluded here."""
+    4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit": dpkit.memory.analytic's
+    model states, the fp32 gradient partition included. The step's flat 16-bit copy is
+    a step temporary, left out of DeepSpeed's figure, as is torch AdamW's foreach
+    temporary."""
     estimate_zero2, _ = _ds_estimators()
     n = gpus_per_node
     _, ds_gpu = estimate_zero2(psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=False)
     states = model_state_bytes(psi, "zero2", n, "bf16", "adamw")
-    step = plan.step_bytes("zero2", "adamw", psi, n)
-    assert states.total + step["fp32_grad_partition"] == ds_gpu
+    assert states.total == ds_gpu
+    step = plan.step_bytes("zero2", "adamw", psi, n, precision="bf16")
+    assert step["flat_grad_partition"] == 2 * psi / n
 
 
 @pytest.mark.parametrize("gpus_per_node", [1, 2, 4])

@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 2 -m dpkit.bench.bare_ddp --size small --output-dir runs/bare_ddp
 
+``--mixed-precision bf16`` autocasts the forward, as accelerate does for dpkit's DDP.
+
 Same model, data, batch order, seed and optimizer as ``recipes/train_lm.py``
 (both take them from :mod:`dpkit.data.lm`); everything else is what torch does
 by default: DDP's own bucket size, no ``gradient_as_bucket_view``. ``dpkit bench``
@@ -26,7 +28,7 @@ from dpkit.train.config import parse_args
 
 
 def main() -> None:
-    (workload,) = parse_args(lm_data.LMWorkload)
+    workload, precision = parse_args(lm_data.LMWorkload, lm_data.BarePrecision)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -56,7 +58,8 @@ def main() -> None:
     last, last_cpu = time.perf_counter(), time.process_time()
     for step in range(1, workload.max_steps + 1):
         batch = {k: v.to(device) for k, v in next(batches).items()}
-        loss = model(**batch).loss
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision.bf16):
+            loss = model(**batch).loss
         loss.backward()
         if workload.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), workload.max_grad_norm)

@@ -4,7 +4,8 @@
 
 Same model, data, batch order, seed and optimizer (torch AdamW, given as the
 client optimizer, so nothing is JIT-compiled) as ``recipes/train_lm.py``. The
-DeepSpeed config names only what the workload needs (batch, clipping, stage);
+DeepSpeed config names only what the workload needs (batch, clipping, stage, and
+``bf16`` with ``--mixed-precision bf16``);
 buckets, overlap and contiguous gradients stay at DeepSpeed's defaults.
 ``dpkit bench`` divides dpkit's step time by this one's to show dpkit's overhead.
 Writes train_log.jsonl in train_lm.py's format.
@@ -37,7 +38,9 @@ class BareOptions:
 
 
 def main() -> None:
-    workload, options = parse_args(lm_data.LMWorkload, BareOptions)
+    workload, options, precision = parse_args(
+        lm_data.LMWorkload, BareOptions, lm_data.BarePrecision
+    )
     # Not part of the measured baseline (training never uses it): on CPU DeepSpeed would
     # compile a shared-memory op and leak 66 MB of /dev/shm per rank and run.
     skip_deepspeed_cpu_shm_op()
@@ -64,6 +67,8 @@ def main() -> None:
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 1_000_000,
     }
+    if precision.bf16:
+        ds_config["bf16"] = {"enabled": True}
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if rank == 0:
         RunOutput(str(out), is_main_process=True).write_json("ds_config.json", ds_config)

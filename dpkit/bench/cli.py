@@ -30,6 +30,9 @@ from dpkit.strategy import RUNNABLE
 # (docs/bench-cpu-4proc.md, a shared machine) against 2.2 at 2 (docs/bench-cpu-2proc.md),
 # and 4 ranks on 2 cores make the step times swing (3.9-7.0 s within one run).
 DEFAULT_CPU_PROCS = 2
+# fp16 is left out: its bare twins would need loss scaling of their own (a GradScaler,
+# DeepSpeed's fp16 section), and the bench compares like with like.
+BENCH_PRECISIONS = ("no", "bf16")
 OUTPUTS = ("results.json", "results.md", "chart.png")
 """What a bench writes into its output folder (a stale one is removed first)."""
 
@@ -57,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=10, help="timed optimizer steps after the warm-up"
     )
     parser.add_argument("--warmup", type=int, default=2, help="untimed optimizer steps first")
+    parser.add_argument(
+        "--mixed-precision",
+        default="no",
+        choices=BENCH_PRECISIONS,
+        help="no (fp32) or bf16: dpkit's runs get --mixed-precision, the bare DDP loop "
+        "autocast, the bare DeepSpeed runs DeepSpeed's bf16 section",
+    )
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument(
         "--micro-batch-size", type=int, default=None, help="sequences per process per step"
@@ -164,6 +174,7 @@ def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
         "synthetic": bool(args.synthetic),
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
+        "mixed_precision": args.mixed_precision,
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "total_steps": args.warmup + args.steps,

@@ -155,6 +155,7 @@ def dpkit_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
         "--num_processes", str(settings["nproc"]),
         "--main_process_port", str(_free_port()),
         str(resources.recipe("train_lm.py")), *workload_args(settings),
+        "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir), "--overwrite-output-dir",
     ]  # fmt: skip
     return Phase(strategy.name, strategy, False, "accelerate launch", cmd, run_dir)
@@ -166,7 +167,11 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
     name = bare_run_name(strategy)
     run_dir = out / "runs" / name
     nproc, port = str(settings["nproc"]), str(_free_port())
-    tail = [*workload_args(settings), "--output-dir", str(run_dir)]
+    tail = [
+        *workload_args(settings),
+        "--mixed-precision", settings["mixed_precision"],
+        "--output-dir", str(run_dir),
+    ]  # fmt: skip
     if strategy.uses_deepspeed:
         cmd = [
             _bin("deepspeed"), "--num_gpus", nproc, "--master_port", port,

@@ -73,7 +73,8 @@ def _strategy_table(results: dict[str, Any]) -> list[str]:
         "Memory per rank in MiB (the rank holding the most), measured by dpkit.memory; "
         "states = params + grads + optimizer + master, the model states that paper and plan "
         "predict; total adds the communication buffers. paper = the ZeRO paper's accounting "
-        "(dpkit.memory.analytic); plan = `dpkit plan` for this run, with gradients as "
+        "(dpkit.memory.analytic; in mixed precision with the fp32 gradient partition "
+        "DeepSpeed's step casts); plan = `dpkit plan` for this run, with gradients as "
         "DeepSpeed's layout holds them (dpkit.memory.zero_layout).",
         "",
         "| strategy | params | grads | optimizer | master | states | buffers | total | paper "

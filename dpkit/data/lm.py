@@ -116,6 +116,22 @@ class LMWorkload:
 # ---- model ----------------------------------------------------------------------------------
 
 
+@dataclass
+class BarePrecision:
+    """The precision of a bench's bare baseline, as dpkit's run has it."""
+
+    mixed_precision: str = field(
+        default="no",
+        metadata={"help": "no (fp32) or bf16", "choices": ["no", "bf16"]},
+    )
+    """``bf16``: the bare DDP loop autocasts its forward (as accelerate does for dpkit's
+    DDP), the bare DeepSpeed run enables DeepSpeed's ``bf16`` section."""
+
+    @property
+    def bf16(self) -> bool:
+        return self.mixed_precision == "bf16"
+
+
 def lm_config(workload: LMWorkload) -> Any:
     """The transformers config: a named size or a config file, dropout and cache overridden."""
     from transformers import AutoConfig, GPT2Config

@@ -15,7 +15,10 @@ The byte counts are those of the engines dpkit drives (a :class:`~dpkit.strategy
   master copy (16 bytes/param for AdamW, the same total as the paper's 2+2+12).
 * ``deepspeed`` (the ZeRO strategies): its ZeRO optimizer always keeps an fp32
   master partition, even when the module itself is fp32 (measured, STACK-NOTES);
-  in bf16/fp16 the module's parameters and gradients are 2 bytes.
+  in bf16/fp16 the module's parameters and gradients are 2 bytes, and its step casts
+  the rank's 16-bit gradient partition to an fp32 gradient for the master while the
+  16-bit gradients are still held (``stage_1_and_2.py``, the step): gradients then
+  peak at (2 + 4) x Psi/N, not the paper's 2 x Psi/N (:func:`paper_grad_bytes`).
 
 The memory report (:mod:`dpkit.memory.report`) and the planner (``dpkit plan``)
 both call :func:`model_state_bytes`; neither computes these figures itself.
@@ -119,6 +122,10 @@ def model_state_bytes(
     module_bytes = dtype_bytes(precision) if strategy.uses_deepspeed else 4
     params = per_rank(module_bytes * psi, 3)
     grads = per_rank(module_bytes * psi, 2)
+    if strategy.zero_stage in (1, 2) and module_bytes != 4 and not strategy.offload:
+        # The step's fp32 copy of the 16-bit partition, beside it (offload builds it in
+        # host memory). Under ZeRO-1 the full 16-bit gradients of backward may be larger.
+        grads = max(grads, (module_bytes + 4) * psi / n)
     optimizer_bytes = per_rank(OPTIMIZER_STATE_BYTES[optimizer] * psi, 1)
     master = per_rank(4 * psi, 1) if strategy.keeps_fp32_master else 0.0
     if strategy.offload:
@@ -130,6 +137,18 @@ def model_state_bytes(
             offloaded_to_cpu=optimizer_bytes + master,
         )
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer_bytes, master=master)
+
+
+def paper_grad_bytes(
+    num_params: int, strategy: str | Strategy, world_size: int, precision: str = "fp32"
+) -> float:
+    """The ZeRO paper's per-rank gradient bytes: the module dtype's gradients, sharded
+    from stage 2 (2 x Psi/N in mixed precision). :func:`model_state_bytes` adds what
+    DeepSpeed holds besides them at its step."""
+    strategy = get_strategy(strategy)
+    module_bytes = dtype_bytes(precision) if strategy.uses_deepspeed else 4
+    shards = world_size if strategy.zero_stage >= 2 else 1
+    return module_bytes * float(num_params) / shards
 
 
 def full_replication_bytes(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -206,6 +207,7 @@ class StepProbes:
                 holder = "flat gradient partition (copy made by the ZeRO step)"
                 point = self._per_group("zero_step_flatten_grads")
                 self.probe(point, extra=[(flat, "grads", holder)])
+                self._probe_cast(flat, holder)
             elif nbytes > bucket_bytes:
                 holder = "zero_reduce_flat_copy (parameter larger than the bucket)"
                 self.probe("zero_reduce_flatten_oversized", extra=[(flat, "buffers", holder)])
@@ -214,6 +216,30 @@ class StepProbes:
             return flat
 
         self._replace(zero, "flatten", flatten)
+
+    def _probe_cast(self, flat: torch.Tensor, flat_holder: str) -> None:
+        """Probe the moment the ZeRO step casts the flat gradient partition to fp32.
+
+        In bf16/fp16 the step runs ``flat.to(fp32)`` (``stage_1_and_2.py``) while the
+        16-bit gradients it copied and the flat copy itself are alive: the gradient
+        high-water of a mixed-precision step, three copies at once. The cast is caught
+        by shadowing ``to`` on this one tensor; the shadow holds the tensor weakly, so
+        DeepSpeed's ``del`` still frees it when it means to.
+        """
+        flat_ref = weakref.ref(flat)
+        point = self._per_group("zero_step_cast_grads_fp32")
+
+        def to(*args: Any, **kwargs: Any) -> torch.Tensor:
+            source = flat_ref()
+            if source is None:  # unreachable while DeepSpeed calls it on the tensor
+                raise RuntimeError("dpkit probe: the flat gradient partition is gone")
+            cast = torch.Tensor.to(source, *args, **kwargs)
+            if cast is not source:  # fp32 gradients: no copy, nothing new to see
+                holder = "fp32 gradient partition (cast for the master's step)"
+                self.probe(point, extra=[(source, "grads", flat_holder), (cast, "grads", holder)])
+            return cast
+
+        flat.to = to  # type: ignore[method-assign]
 
     def _probed_first_copy(self, zero: Any, original: Any) -> Any:
         """With ``contiguous_gradients``, the first copy into the partition buffer

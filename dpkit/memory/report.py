@@ -19,6 +19,7 @@ from dpkit.memory.analytic import (
     ModelStateBytes,
     full_replication_bytes,
     model_state_bytes,
+    paper_grad_bytes,
 )
 from dpkit.memory.categories import MODEL_STATES, PARTITION_SHARE
 
@@ -74,6 +75,12 @@ class MemoryReport:
         return model_state_bytes(
             self.num_params, self.strategy, self.world_size, self.precision, self.optimizer_name
         )
+
+    @property
+    def paper_grads(self) -> float:
+        """The ZeRO paper's per-rank gradient bytes; ``predicted.grads`` adds the fp32
+        partition DeepSpeed's mixed-precision step casts beside them."""
+        return paper_grad_bytes(self.num_params, self.strategy, self.world_size, self.precision)
 
     @property
     def full_replication(self) -> ModelStateBytes:
@@ -186,6 +193,7 @@ class MemoryReport:
             "ranks": self.ranks,
             "measured": self.measured(),
             "predicted": self.predicted.as_dict(),
+            "predicted_grads_paper": self.paper_grads,
             "full_replication": self.full_replication.as_dict(),
             "savings": self.savings(),
             "error_pct": self.error_pct(),
@@ -294,6 +302,12 @@ class MemoryReport:
         errors = self.error_pct()
         error_cells = ["-" if errors[c] is None else f"{errors[c]:+.2f}" for c in errors]
         lines.append(_line("error % (pred.)", error_cells))
+        if predicted["grads"] != self.paper_grads:
+            lines.append(
+                f"predicted grads {_mib(predicted['grads'])} MiB = the 16-bit gradients plus the "
+                f"fp32 partition DeepSpeed's step casts from them for the master weights; "
+                f"the ZeRO paper counts {_mib(self.paper_grads)} MiB"
+            )
         savings = self.savings()
         per_rank = ", ".join(_mib(b) for b in savings.pop("measured_per_rank")["saved_bytes"])
         lines.append(
@@ -327,6 +341,13 @@ class MemoryReport:
             )
         for row in self._by_rank():
             peak = row.get("peak", {})
+            if peak.get("allocated_rest_at_peak") is not None:
+                lines.append(
+                    f"rank {row['rank']} max allocated {_mib(peak['max_allocated'])} MiB = "
+                    f"counted tensors at worst moment "
+                    f"{_mib(row.get('largest_moment', {}).get('total'))} + rest "
+                    f"{_mib(peak['allocated_rest_at_peak'])} (activations, workspace)"
+                )
             if peak.get("rss_runtime_at_track") is None:
                 continue
             lines.append(

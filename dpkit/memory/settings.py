@@ -61,7 +61,10 @@ REASONS: dict[str, str] = {
         "a second ipg bucket (measured 0.56 -> 1.1 MiB at a 147,456-element bucket); on CPU "
         "it overlaps nothing (no streams), and in ZeRO-1 it moves reduction into backward "
         "where rank 1's gradient high-water rose 86.6 -> 131.4 MiB; on for ZeRO-2 on CUDA "
-        "only, where it buys overlap"
+        "only, where it buys overlap, and only with contiguous_gradients: without them "
+        "DeepSpeed keeps other partitions' reduced gradients alive until the next bucket "
+        "(previous_reduced_grads, stage_1_and_2.py), a bucket of gradients the memory "
+        "model does not count; the speed this gives up is unmeasured (no GPU yet)"
     ),
     "contiguous_gradients": (
         "ZeRO-1 and -2 pre-size grads_in_partition for every parameter touching the "
@@ -152,7 +155,8 @@ def zero_memory_settings(
         "reduce_bucket_size": bucket,
         "allgather_bucket_size": bucket,
         # ZeRO-1 reduces after backward; overlapping moves it into backward (more memory).
-        "overlap_comm": bool(on_cuda and stage == 2),
+        # Without contiguous gradients it keeps reduced gradients a bucket longer.
+        "overlap_comm": bool(on_cuda and stage == 2 and not large_late_param),
         "contiguous_gradients": not large_late_param,
         "round_robin_gradients": False,
         "reduce_scatter": True,

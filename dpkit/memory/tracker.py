@@ -58,6 +58,32 @@ def largest_param(model: torch.nn.Module) -> dict[str, Any] | None:
     }
 
 
+def peak_breakdown(
+    peak: dict[str, Any], baseline: dict[str, Any] | None, counted_at_worst: float
+) -> dict[str, float]:
+    """The peak split into what the counted tensors explain and the rest.
+
+    ``peak``: :func:`~dpkit.memory.peak.peak_figures`; ``baseline``: what
+    :class:`StepProbes` measured at track() (RSS and the tensors counted then);
+    ``counted_at_worst``: all counted tensors at their largest probe point.
+    """
+    if peak.get("max_allocated") is not None:
+        # On a GPU the tensors live in device memory: the allocator's peak holds them
+        # with activations and workspace, while host RSS holds none of them.
+        return {"allocated_rest_at_peak": peak["max_allocated"] - counted_at_worst}
+    if baseline and baseline.get("rss") is not None and peak.get("rss_high_water") is not None:
+        # The CPU peak, decomposed: the runtime measured at track() (RSS minus the
+        # tensors counted then), the counted tensors at their worst probe point, and the
+        # rest (activations, workspace, allocator slack; activations are also measured
+        # separately, at the end of forward, so they are not subtracted here).
+        runtime = baseline["rss"] - baseline["counted_tensors"]
+        return {
+            "rss_runtime_at_track": runtime,
+            "rss_rest_at_peak": peak["rss_high_water"] - runtime - counted_at_worst,
+        }
+    return {}
+
+
 def measure_rank(
     accelerator: Any,
     model: torch.nn.Module,
@@ -121,15 +147,8 @@ def measure_rank(
     # this is an estimate, named as one.
     peak["peak_minus_counted_tensors"] = None if headline is None else headline - counted
     baseline = getattr(probes, "baseline", None) if probes is not None else None
-    if baseline and baseline.get("rss") is not None and peak.get("rss_high_water") is not None:
-        # The CPU peak, decomposed: the runtime measured at track() (RSS minus the
-        # tensors counted then), the counted tensors at their worst probe point, and the
-        # rest (activations, workspace, allocator slack; activations are also measured
-        # separately, at the end of forward, so they are not subtracted here).
-        runtime = baseline["rss"] - baseline["counted_tensors"]
-        worst = row["largest_moment"].get("total", counted)
-        peak["rss_runtime_at_track"] = runtime
-        peak["rss_rest_at_peak"] = peak["rss_high_water"] - runtime - worst
+    worst = row["largest_moment"].get("total", counted)
+    peak.update(peak_breakdown(peak, baseline, worst))
     row["peak"] = peak
     row["device"] = str(device) if device is not None else "cpu"
     row["settings"] = memory_settings_in_effect(model, optimizer)

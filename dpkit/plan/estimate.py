@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from dpkit.memory.analytic import dtype_bytes, model_state_bytes
+from dpkit.memory.analytic import dtype_bytes, model_state_bytes, paper_grad_bytes
 from dpkit.memory.zero_layout import GradientHighWater, gradient_high_water
 from dpkit.plan.activations import ActivationProfile
 from dpkit.plan.inputs import PERSISTENCE_THRESHOLD, ModelSpec, PlanInputs
@@ -106,16 +106,20 @@ def step_bytes(
     num_params: int,
     world_size: int,
     grads_laid_out: bool = False,
+    precision: str = "fp32",
 ) -> dict[str, float]:
     """Per-GPU temporaries of the optimizer step, by name.
 
     They exist after backward has freed the activations, so a step's peak is
     the larger of the two, not their sum.
 
-    * ZeRO (not offloaded): the fp32 copy of this rank's gradient partition
-      the step reads (DeepSpeed's estimator counts it as "4 bytes grads
-      32bit"); offload builds it in host memory. With the parameter layout
-      known (``grads_laid_out``) it is part of the step's gradients instead
+    * ZeRO-1/2 (not offloaded): the flat copy of this rank's gradient partition the
+      step makes (in fp32 it becomes the master's gradient; in mixed precision it is
+      cast to fp32, and that fp32 gradient is already among the model states,
+      :func:`~dpkit.memory.analytic.model_state_bytes`). ZeRO-3: the fp32 gradient
+      partition the step reads (DeepSpeed's estimator counts it as "4 bytes grads
+      32bit"). Offload builds them in host memory. With the parameter layout known
+      (``grads_laid_out``) they are part of the step's gradients instead
       (:mod:`dpkit.memory.zero_layout`).
     * torch AdamW (dpkit's optimizer; foreach on GPUs): one fp32 temporary
       the size of the parameters it updates (``exp_avg_sq_sqrt``): all of
@@ -129,7 +133,10 @@ def step_bytes(
     parts: dict[str, float] = {}
     # The fp32 gradient partition feeds the fp32 master update on the GPU.
     if strategy.keeps_fp32_master and not strategy.offload and not grads_laid_out:
-        parts["fp32_grad_partition"] = 4 * psi / n
+        if strategy.zero_stage in (1, 2):
+            parts["flat_grad_partition"] = dtype_bytes(precision) * psi / n
+        else:
+            parts["fp32_grad_partition"] = 4 * psi / n
     if optimizer in ("adamw", "adam"):
         parts["optimizer_temporaries"] = 4 * updated_here
     return parts
@@ -296,7 +303,9 @@ def estimate(
         strategy, inputs.model, inputs.world_size, inputs.precision, settings, states.grads
     )
     laid_out = gradient_layout(inputs, strategy, settings)
-    step = step_bytes(strategy, optimizer, num_params, inputs.world_size, laid_out is not None)
+    step = step_bytes(
+        strategy, optimizer, num_params, inputs.world_size, laid_out is not None, inputs.precision
+    )
     # Offload builds the fp32 gradient partition in host memory, beside the
     # optimizer state it feeds (DeepSpeed's estimator counts it there too).
     host_grads = 4.0 * num_params / inputs.world_size if strategy.offload else 0.0
@@ -307,7 +316,7 @@ def estimate(
         grads=states.grads if laid_out is None else laid_out.bytes,
         grads_backward=None if laid_out is None else laid_out.backward,
         grads_step=None if laid_out is None else laid_out.step,
-        grads_paper=states.grads,
+        grads_paper=paper_grad_bytes(num_params, strategy, inputs.world_size, inputs.precision),
         grads_where="" if laid_out is None else f"rank {laid_out.rank}, {laid_out.moment}",
         optimizer=states.optimizer,
         master=states.master,

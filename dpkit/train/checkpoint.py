@@ -8,7 +8,9 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step-000120/``::
     optimizer.pt        Adam moments per parameter name, consolidated; step count; lrs
     scheduler.pt        the lr scheduler's state_dict
     rng.pt              every rank's RNG states (python, numpy, torch, cuda)
-    trainer_state.json  step, epoch, position in the epoch, batch layout, strategy
+    loss_scale.json     fp16 only: the dynamic loss scale and its growth counters
+    trainer_state.json  step, epoch, position in the epoch, batch layout, strategy,
+                        optimizer steps skipped for a gradient overflow
     manifest.json       every file above with its size and sha256 (written last)
 
 Why not DeepSpeed's or accelerate's own checkpoint: a ZeRO checkpoint is sharded
@@ -43,6 +45,7 @@ import torch
 from dpkit.errors import UsageError
 from dpkit.train.full_state import (
     FORMAT_VERSION,
+    LossScaler,
     full_optimizer_state,
     load_fp32_masters,
     load_optimizer_state,
@@ -52,6 +55,7 @@ from dpkit.train.full_state import (
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
+LOSS_SCALE_FILE = "loss_scale.json"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
@@ -73,14 +77,25 @@ class TrainerState:
     precision: str
     seed: int
     format_version: int = FORMAT_VERSION
+    skipped_steps: int = 0
+    """Of ``step``, the optimizer steps whose update was skipped for a gradient overflow
+    (fp16). Checkpoints written before it was recorded read as 0."""
 
     @classmethod
     def at(
-        cls, run_info, *, step: int, epoch: int, samples_in_epoch: int, seed: int
+        cls,
+        run_info,
+        *,
+        step: int,
+        epoch: int,
+        samples_in_epoch: int,
+        seed: int,
+        skipped_steps: int = 0,
     ) -> TrainerState:
         """The state at ``step`` of the run that ``run_info`` (a strategy.RunInfo) describes."""
         return cls(
             step=step,
+            skipped_steps=skipped_steps,
             epoch=epoch,
             samples_in_epoch=samples_in_epoch,
             global_batch_size=run_info.global_batch_size,
@@ -300,10 +315,15 @@ def save_checkpoint(
     save_model(accelerator, model, tmp, tokenizer)
     optimizer_state = full_optimizer_state(accelerator, model, optimizer)
     rng_states = accelerate.utils.gather_object([_rng_state()])
+    loss_scaler = LossScaler.of(accelerator)  # the same on every rank: the main one's is saved
     if accelerator.is_main_process:
         torch.save(optimizer_state, tmp / "optimizer.pt")
         if lr_scheduler is not None:
             torch.save(lr_scheduler.state_dict(), tmp / "scheduler.pt")
+        if loss_scaler is not None:
+            (tmp / LOSS_SCALE_FILE).write_text(
+                json.dumps(loss_scaler.state_dict(), indent=2) + "\n"
+            )
         torch.save(rng_states, tmp / "rng.pt")
         (tmp / "trainer_state.json").write_text(json.dumps(asdict(state), indent=2) + "\n")
         _write_manifest(tmp)
@@ -324,8 +344,9 @@ def load_checkpoint(accelerator, model, optimizer, lr_scheduler, path: Path) -> 
 
     The model must have been built from ``path`` itself (``from_pretrained``: the folder
     is a Hugging Face model folder); this restores ZeRO's fp32 masters, the optimizer
-    moments re-sharded for this run, the scheduler (if any) and, when the world size is
-    the same, every rank's RNG streams.
+    moments re-sharded for this run, the scheduler (if any), fp16's loss scale (when this
+    run scales the loss and the checkpoint has one) and, when the world size is the same,
+    every rank's RNG streams.
     """
     from safetensors.torch import load_file
 
@@ -336,11 +357,30 @@ def load_checkpoint(accelerator, model, optimizer, lr_scheduler, path: Path) -> 
     load_optimizer_state(accelerator, model, optimizer, saved_optimizer)
     if lr_scheduler is not None and (path / "scheduler.pt").is_file():
         lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    _load_loss_scale(accelerator, path)
     rng_states = torch.load(path / "rng.pt", weights_only=True)
     if len(rng_states) == accelerator.num_processes:
         _set_rng_state(rng_states[accelerator.process_index])
     accelerator.wait_for_everyone()
     return state
+
+
+def _load_loss_scale(accelerator, path: Path) -> None:
+    """Restore fp16's loss scale from ``path`` when this run scales the loss; say which."""
+    loss_scaler = LossScaler.of(accelerator)
+    if loss_scaler is None:  # fp32/bf16 now: a saved scale has nothing to drive
+        return
+    saved = path / LOSS_SCALE_FILE
+    if saved.is_file():
+        restored = loss_scaler.load_state_dict(json.loads(saved.read_text()))
+        logger.info("%s restored from %s", restored, path.name)
+    else:
+        logger.info(
+            "%s has no fp16 loss scale (written in fp32/bf16 or by an older dpkit): it "
+            "starts at %g, and the first steps may overflow and be skipped",
+            path.name,
+            loss_scaler.scale,
+        )
 
 
 def carry_over_note(state: TrainerState, *, strategy: str, world_size: int) -> str:

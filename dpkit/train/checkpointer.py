@@ -31,7 +31,7 @@ class Position:
     """Where training stands in the data: what a checkpoint records and a resume skips to."""
 
     step: int = 0
-    """Optimizer updates done."""
+    """Optimizer steps done, skipped ones included (they count toward the step budget)."""
     epoch: int = 0
     """The epoch being trained."""
     batches_done: int = 0
@@ -40,6 +40,9 @@ class Position:
     """The step this process started from (0, or the resumed checkpoint's)."""
     batches_per_epoch: int = 0
     """Micro-batches of an epoch on this rank (set by :meth:`epochs`)."""
+    skipped_steps: int = 0
+    """Of ``step``, those whose update was skipped for a gradient overflow (fp16); counted
+    by :class:`~dpkit.train.progress.TrainingLog`, saved with every checkpoint."""
 
     def epochs(
         self, accelerator, loader, num_epochs: int, micro_batches: int | None = None
@@ -113,6 +116,7 @@ class Checkpointer:
             epoch=state.epoch,
             batches_done=state.samples_in_epoch // self._examples_per_batch,
             first_step=state.step,
+            skipped_steps=state.skipped_steps,
         )
 
     def save(self, model, optimizer, lr_scheduler, position: Position) -> Path | None:
@@ -129,6 +133,7 @@ class Checkpointer:
             epoch=position.epoch + 1 if epoch_done else position.epoch,
             samples_in_epoch=0 if epoch_done else position.batches_done * self._examples_per_batch,
             seed=self.seed,
+            skipped_steps=position.skipped_steps,
         )
         self.last = save_checkpoint(
             self.accelerator,

@@ -6,6 +6,9 @@ tensor-fragment API (the mechanism of its universal checkpoint) and put them bac
 re-sharded for another strategy or world size. Under DDP the module's parameters
 and the torch optimizer's state are read directly. Gathering is a collective:
 every rank calls; the result exists on the main process.
+
+fp16's dynamic loss scaler (:class:`LossScaler`) is the one piece of state that is
+the same on every rank: it is read and restored locally, no collective.
 """
 
 from __future__ import annotations
@@ -171,3 +174,91 @@ def load_fp32_masters(accelerator, model, weights: dict[str, torch.Tensor]) -> N
     for name, param in accelerator.unwrap_model(model).named_parameters():
         if hasattr(param, "_hp_mapping"):
             safe_set_full_fp32_param(param, weights[name].to(param.device))
+
+
+# The fields of DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py) that change
+# while training; the rest (min_scale, scale_window, delayed_shift) comes from the
+# resuming run's own fp16 section.
+_DEEPSPEED_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+class LossScaler:
+    """fp16's dynamic loss scaler, whichever library keeps it: torch's ``GradScaler`` under
+    DDP (``accelerator.scaler``: accelerate makes one for fp16 on a GPU) or DeepSpeed's
+    ``DynamicLossScaler`` inside the ZeRO optimizer (``fp16.enabled`` with the default
+    ``loss_scale: 0``).
+
+    A dpkit checkpoint is its own layout, not accelerate's ``save_state`` (which writes
+    ``scaler.pt``) nor DeepSpeed's optimizer shards (which pickle ``loss_scaler``), so
+    without this the scale restarts at its initial value (2**16) on resume: the first
+    steps overflow and are skipped again, and the run is no longer the one that stopped.
+    """
+
+    def __init__(self, scaler: Any) -> None:
+        """``scaler``: a ``torch.amp.GradScaler`` or a DeepSpeed ``DynamicLossScaler``."""
+        self.scaler = scaler
+
+    @classmethod
+    def of(cls, accelerator: Any) -> LossScaler | None:
+        """The run's dynamic loss scaler, or None when it scales no loss (fp32, bf16,
+        DeepSpeed's static ``loss_scale``)."""
+        scaler = getattr(accelerator, "scaler", None)
+        if scaler is not None and scaler.is_enabled():
+            return cls(scaler)
+        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        zero = getattr(getattr(wrapped, "engine", None), "optimizer", None)
+        loss_scaler = getattr(zero, "loss_scaler", None)
+        # bf16 and fp32 ZeRO keep a static LossScaler(1.0), dynamic = False.
+        return cls(loss_scaler) if getattr(loss_scaler, "dynamic", False) else None
+
+    @property
+    def kind(self) -> str:
+        """``deepspeed`` or ``torch``: whose state :meth:`state_dict` holds."""
+        return "deepspeed" if hasattr(self.scaler, "cur_scale") else "torch"
+
+    @property
+    def scale(self) -> float:
+        """The scale the next backward multiplies the loss by."""
+        if self.kind == "deepspeed":
+            return float(self.scaler.cur_scale)
+        return float(self.scaler.get_scale())
+
+    @property
+    def growth_tracker(self) -> int:
+        """Steps without overflow counted toward the next growth of the scale: torch's
+        ``_growth_tracker``; DeepSpeed's steps since the last overflow."""
+        if self.kind == "deepspeed":
+            return int(self.scaler.cur_iter - self.scaler.last_overflow_iter - 1)
+        return int(self.scaler.state_dict()["_growth_tracker"])
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers (JSON): ``kind``, ``scale`` and the library's own counters."""
+        if self.kind == "deepspeed":
+            native = {name: getattr(self.scaler, name) for name in _DEEPSPEED_SCALER_STATE}
+        else:
+            native = {"_growth_tracker": int(self.scaler.state_dict()["_growth_tracker"])}
+        return {"kind": self.kind, "scale": self.scale, **native}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> str:
+        """Restore ``saved`` (:meth:`state_dict`); returns what was restored, for the log.
+
+        Written by the same library: the scale and its counters exactly. By the other one
+        (a checkpoint resumed across DDP and ZeRO): the scale only, the growth count starts
+        over, since torch and DeepSpeed count it differently. The growth and backoff
+        settings stay this run's. DeepSpeed's scale is kept at or above this run's
+        ``min_scale``: a scale below it would stop the run at its first overflow.
+        """
+        same = saved.get("kind") == self.kind
+        if self.kind == "deepspeed":
+            if same:
+                for name in _DEEPSPEED_SCALER_STATE:
+                    setattr(self.scaler, name, saved[name])
+            self.scaler.cur_scale = max(float(saved["scale"]), float(self.scaler.min_scale))
+        else:
+            tracker = int(saved["_growth_tracker"]) if same else 0
+            self.scaler.load_state_dict(
+                {**self.scaler.state_dict(), "scale": float(saved["scale"]),
+                 "_growth_tracker": tracker}
+            )  # fmt: skip
+        counters = "and its growth count" if same else f"only (written by {saved.get('kind')})"
+        return f"fp16 loss scale {self.scale:g} {counters}"

@@ -20,14 +20,14 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
 import torch
 
-from dpkit.errors import EXIT_USAGE, UsageError
+from dpkit.errors import EXIT_USAGE, UsageError, training_failure
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # Exit codes: a clean stop on a signal follows the shell convention 128 + signal.
@@ -177,6 +177,73 @@ def collective_failure(err: BaseException) -> str | None:
     return None
 
 
+def _torch_env_bool(env: Mapping[str, str], names: tuple[str, ...]) -> bool:
+    """A boolean ProcessGroupNCCL setting as torch 2.13 parses it (``c10d/Utils.hpp``,
+    ``getCvarBool``): the first name set wins; y/yes/1/t/true, case-insensitive."""
+    for name in names:
+        if name in env:
+            return env[name].lower() in ("y", "yes", "1", "t", "true")
+    return False
+
+
+def _torch_env_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
+    """An integer ProcessGroupNCCL setting as torch parses it (``getCvarInt``)."""
+    for name in names:
+        if name in env:
+            try:
+                return int(env[name])
+            except ValueError:
+                return default  # torch itself refuses it when the group starts
+    return default
+
+
+def nccl_timeout_notice(
+    backend: str, env: Mapping[str, str], collective_timeout_s: float
+) -> str | None:
+    """The one line that tells, at start-up, how a collective timeout ends this run when
+    :func:`collective_failure`'s line cannot; None when it can.
+
+    Under gloo, and under NCCL with ``TORCH_NCCL_BLOCKING_WAIT`` set, a timeout raises in
+    the waiting thread and :func:`run_and_exit` prints dpkit's line. Under NCCL's default
+    (``TORCH_NCCL_ASYNC_ERROR_HANDLING`` 3, or 1 as torchrun sets it) torch's watchdog
+    thread ends the process (SIGABRT) before Python sees an error, so dpkit says it here.
+
+    dpkit does not set these variables: blocking wait (torch 2.13, ``ProcessGroupNCCL``)
+    starts no watchdog and blocks the host thread in every synchronous collective until
+    it completes. DeepSpeed's ZeRO reductions are synchronous collectives issued from
+    backward hooks, so backward could no longer run ahead of communication; and a rank
+    stuck in a CUDA synchronisation behind a hung collective (an ``.item()``, a memory
+    probe) would then hang forever instead of being ended. Not measured: no GPU has run
+    this. A user who prefers dpkit's line sets ``TORCH_NCCL_BLOCKING_WAIT=1``; any value
+    the user set is read here, never replaced.
+    """
+    if backend != "nccl":
+        return None
+    if _torch_env_bool(env, ("TORCH_NCCL_BLOCKING_WAIT", "NCCL_BLOCKING_WAIT")):
+        return None
+    names = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "NCCL_ASYNC_ERROR_HANDLING")
+    mode = _torch_env_int(env, names, default=3)
+    within = f"a collective that does not complete within {collective_timeout_s:g} s"
+    if mode == 0:
+        return (
+            f"backend nccl with TORCH_NCCL_ASYNC_ERROR_HANDLING=0: {within} "
+            "(--collective-timeout) is only logged by torch's watchdog; a hung rank hangs the job"
+        )
+    if mode == 2:
+        return (
+            f"backend nccl with TORCH_NCCL_ASYNC_ERROR_HANDLING=2: {within} "
+            "(--collective-timeout) makes torch's watchdog abort the communicators without "
+            "ending the process (torch: later GPU work may run on incomplete data)"
+        )
+    return (
+        f"backend nccl: {within} (--collective-timeout) ends every rank from torch's NCCL "
+        f"watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING={mode}: 'Watchdog caught collective "
+        "operation timeout', then SIGABRT), not with dpkit's one-line error; "
+        "TORCH_NCCL_BLOCKING_WAIT=1 gives that line at the cost of blocking the host in "
+        "every collective"
+    )
+
+
 def exit_process(code: int) -> NoReturn:
     """End a rank with ``code`` without running the interpreter's teardown.
 
@@ -202,9 +269,9 @@ def run_and_exit(main: Callable[[], None]) -> NoReturn:
 
     Exit codes, each with one line on stderr naming the program: 0 when ``main``
     returns; 2 for bad input (:class:`~dpkit.errors.UsageError`, printed once for the
-    job, by rank 0: every rank meets the same input); 3 for a non-finite loss (printed
-    by rank 0); 1 for a collective that failed because another rank hung or died
-    (printed by every rank that saw it); otherwise the code of the ``SystemExit``
+    job, by rank 0: every rank meets the same input); 3 for a non-finite loss or an fp16
+    run stopped at its minimum loss scale (printed by rank 0); 1 for a collective that
+    failed because another rank hung or died (printed by every rank that saw it); otherwise the code of the ``SystemExit``
     ``main`` raised (a stop request: 128 + the signal). Any other exception keeps its
     traceback.
     """
@@ -236,4 +303,11 @@ def run_and_exit(main: Callable[[], None]) -> NoReturn:
             raise
         print(f"{prog}: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         exit_process(1)
+    except Exception as err:  # a library's failure of the training itself (fp16's loss scale)
+        line = training_failure(err)
+        if line is None:
+            raise
+        if rank == "0":  # every rank fails at the same step (DeepSpeed agrees on overflow)
+            print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+        exit_process(EXIT_NON_FINITE)
     exit_process(0)

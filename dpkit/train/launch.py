@@ -15,6 +15,9 @@ any process group exists, so every conflict is a one-line
 * DeepSpeed settings an accelerate YAML gives (accumulation, clipping, offload):
   honoured where they agree with the run, refused where they do not (accelerate
   would otherwise drop them without a word beside a DeepSpeed config file).
+* More NCCL processes on a node than visible GPUs: accelerate gives each process
+  ``cuda:(LOCAL_RANK % device_count)``, so two ranks share a GPU, which NCCL refuses
+  once the group is up; refused before it (:func:`check_ranks_per_gpu`).
 """
 
 from __future__ import annotations
@@ -28,6 +31,9 @@ from dpkit.strategy import DDP, Strategy, deepspeed_strategy, get_strategy
 from dpkit.train.deepspeed_config import read_ds_config, zero_stage_of
 
 PRECISIONS = ("no", "bf16", "fp16")
+# Where launchers say how many processes they started on this node: torchrun and
+# accelerate launch, the deepspeed launcher, Open MPI's mpirun.
+LOCAL_PROCESS_COUNT_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
 # DeepSpeed settings an accelerate YAML or flag can give (the launcher passes them as
 # environment variables), which dpkit takes from the run's own flags instead.
 _OFFLOAD_SETTINGS = {
@@ -186,3 +192,52 @@ def check_accelerate_settings(
                 f"accelerate config {name}={device}: dpkit does not set up offload from "
                 "accelerate's settings; put offload_optimizer in the DeepSpeed JSON"
             )
+
+
+def local_process_count(env: Mapping[str, str]) -> tuple[int, str]:
+    """How many processes the launcher started on this node, and where that was read
+    (``LOCAL_WORLD_SIZE=8``), for the error line.
+
+    Without a count, ``LOCAL_RANK`` gives a lower bound (this rank and those below it);
+    without either, this process is alone (``python recipe.py``).
+    """
+    for name in LOCAL_PROCESS_COUNT_VARIABLES:
+        value = env.get(name, "")
+        if value:
+            return int(value), f"{name}={value}"
+    local_rank = env.get("LOCAL_RANK", "")
+    if local_rank:
+        count = int(local_rank) + 1
+        return count, f"LOCAL_RANK={local_rank}, so at least {count}"
+    return 1, "1"
+
+
+def check_ranks_per_gpu(
+    local_processes: int, visible_cuda_devices: int, *, source: str | None = None
+) -> None:
+    """Refuse a NCCL launch that would put two ranks of one communicator on one GPU.
+
+    accelerate maps each process to ``cuda:(LOCAL_RANK % device_count)``, so with more
+    processes on a node than visible devices two ranks share one; NCCL refuses that
+    (``../shared/STACK-NOTES.md``), but only once the process group is up, in an error
+    that names neither the launch flag nor the count. Call before the group starts.
+
+    Args:
+        local_processes: processes the launcher started on this node
+            (:func:`local_process_count`).
+        visible_cuda_devices: ``torch.cuda.device_count()``, which honours
+            ``CUDA_VISIBLE_DEVICES``; 0 means a CPU run (gloo), which this does not concern.
+        source: how the launcher gave ``local_processes``, for the message (default
+            ``LOCAL_WORLD_SIZE=<local_processes>``).
+    """
+    if visible_cuda_devices <= 0 or local_processes <= visible_cuda_devices:
+        return
+    source = source or f"LOCAL_WORLD_SIZE={local_processes}"
+    devices = "device" if visible_cuda_devices == 1 else "devices"
+    n = visible_cuda_devices
+    raise UsageError(
+        f"{source} processes on this node but {n} visible CUDA {devices}: NCCL refuses two "
+        f"ranks on one GPU; start one process per visible GPU (torchrun --nproc_per_node {n}, "
+        f"deepspeed --num_gpus {n}, accelerate launch --num_processes {n} per machine) "
+        "or make more GPUs visible (CUDA_VISIBLE_DEVICES)"
+    )

@@ -3,6 +3,12 @@
 One progress bar and one log line per logging step, both from the main process;
 every step's record goes to ``train_log.jsonl`` (:class:`~dpkit.train.run_output.RunOutput`
 writes on the main process only).
+
+A step whose update was skipped for a gradient overflow (fp16's loss scaling, or
+non-finite gradients under ZeRO) is still a step: it counts toward the step budget and
+the lr schedule moves on, as the recipes count optimizer-step boundaries, not updates.
+It is logged on its own line, marked in its record, and counted
+(``skipped_steps``, also in ``train_summary.json`` and in every checkpoint).
 """
 
 from __future__ import annotations
@@ -10,7 +16,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dpkit.train.checkpointer import Position
 
 logger = logging.getLogger("dpkit")
 
@@ -52,7 +61,8 @@ class Throughput:
 class TrainingLog:
     """What each optimizer step logs: its record in ``train_log.jsonl``, the progress bar,
     and every ``logging_steps`` steps (and the last) a log line with the throughput and
-    the trackers' ``train/*`` scalars."""
+    the trackers' ``train/*`` scalars; a line for every step whose update was skipped, and
+    at :meth:`close` the run's ``train_summary.json``."""
 
     def __init__(
         self,
@@ -63,38 +73,58 @@ class TrainingLog:
         logging_steps: int,
         initial_step: int = 0,
         memory: Any = None,
+        position: Position | None = None,
     ) -> None:
         """
         Args:
-            accelerator: the run's Accelerator (main process, trackers).
+            accelerator: the run's Accelerator (main process, trackers, whether the last
+                optimizer step was skipped, the fp16 loss scaler).
             output: the run's :class:`~dpkit.train.run_output.RunOutput`.
             total_steps: optimizer steps the run makes (the bar's length).
             logging_steps: a log line every N steps.
-            initial_step: where a resumed run starts.
+            initial_step: where a resumed run starts (ignored with ``position``).
             memory: a :class:`~dpkit.memory.MemoryTracker`, for the memory in the log line.
+            position: the run's :class:`~dpkit.train.checkpointer.Position`: where a
+                resumed run starts, and whose ``skipped_steps`` this log counts on, so
+                that checkpoints carry the count. None: a count of this log's own.
         """
         from tqdm.auto import tqdm
+
+        from dpkit.train.checkpointer import Position
+        from dpkit.train.full_state import LossScaler
 
         self.accelerator = accelerator
         self.output = output
         self.total_steps = total_steps
         self.logging_steps = logging_steps
         self.memory = memory
+        self.position = position if position is not None else Position(step=initial_step)
+        self.last_step = self.position.step
+        scaler = LossScaler.of(accelerator)
+        self._loss_scale = None if scaler is None else scaler.scale
         self.throughput = Throughput(world_size=accelerator.num_processes)
         self.progress = tqdm(
             total=total_steps,
-            initial=initial_step,
+            initial=self.position.step,
             desc="train",
             disable=not accelerator.is_main_process,
         )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps of the run (a resumed run's earlier ones too) whose update was
+        skipped for a gradient overflow."""
+        return self.position.skipped_steps
 
     def micro_batch(self, tokens: Any, samples: int) -> None:
         """Count one micro-batch's tokens (a device tensor is fine) and samples."""
         self.throughput.update(tokens, samples)
 
     def step(self, record: dict[str, Any]) -> None:
-        """One optimizer step's record (``step`` and ``loss`` at least)."""
-        step = record["step"]
+        """One optimizer step's record (``step`` and ``loss`` at least); call it on every
+        rank after every optimizer step (it also checks whether the update was skipped)."""
+        step = self.last_step = record["step"]
+        record = {**record, **self._overflow_fields(step)}
         self.output.append_jsonl("train_log.jsonl", record)
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{record['loss']:.4f}")
@@ -114,5 +144,57 @@ class TrainingLog:
         logger.info(" | ".join(parts))
         self.accelerator.log({f"train/{k}": v for k, v in record.items() if k != "step"}, step=step)
 
+    def _overflow_fields(self, step: int) -> dict[str, Any]:
+        """Whether this step's update was skipped, counted and (main process) logged, with
+        the loss scale the step ran at: the record's ``skipped``, ``skipped_steps`` and
+        ``loss_scale`` (the last two in every record of an fp16 run).
+
+        accelerate answers for both strategies: its GradScaler wrapper under DDP, the
+        ZeRO optimizer's ``overflow`` flag (agreed by every rank) under DeepSpeed.
+        """
+        from dpkit.train.full_state import LossScaler
+
+        fields: dict[str, Any] = {}
+        scaler = LossScaler.of(self.accelerator)
+        ran_at = self._loss_scale
+        if scaler is not None:
+            self._loss_scale = scaler.scale  # after the step: what the next one runs at
+            fields["loss_scale"] = ran_at
+        if self.accelerator.optimizer_step_was_skipped:
+            self.position.skipped_steps += 1
+            fields["skipped"] = True
+            if self.accelerator.is_main_process:
+                cause = (
+                    "non-finite gradients"
+                    if scaler is None or ran_at is None
+                    else f"gradients overflowed at loss scale {ran_at:g}, now {self._loss_scale:g}"
+                )
+                logger.warning(
+                    "step %d/%d: update skipped (%s); %d skipped so far",
+                    step,
+                    self.total_steps,
+                    cause,
+                    self.position.skipped_steps,
+                )
+        if scaler is not None or self.position.skipped_steps:
+            fields["skipped_steps"] = self.position.skipped_steps
+        return fields
+
     def close(self) -> None:
+        """Close the bar and write ``train_summary.json``: the last step, how many of the
+        run's steps were skipped (they count in ``last_step``), the final loss scale."""
         self.progress.close()
+        self.output.write_json(
+            "train_summary.json",
+            {
+                "last_step": self.last_step,
+                "skipped_steps": self.position.skipped_steps,
+                "loss_scale": self._loss_scale,
+            },
+        )
+        if self.position.skipped_steps and self.accelerator.is_main_process:
+            logger.info(
+                "%d of %d optimizer steps skipped for a gradient overflow (counted in the steps)",
+                self.position.skipped_steps,
+                self.last_step,
+            )

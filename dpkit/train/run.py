@@ -38,6 +38,7 @@ from typing import Any
 from dpkit.strategy import Strategy
 from dpkit.train.config import StrategyConfig
 from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
+from dpkit.train.launch import check_ranks_per_gpu, local_process_count
 from dpkit.train.resolve import Resolution, resolve
 
 logger = logging.getLogger("dpkit")
@@ -288,6 +289,10 @@ def start(
     """Build the Accelerator for ``resolution``: backend, CPU or GPU, DDP's kwargs or the
     resolved DeepSpeed config. Starts the process group.
 
+    Under NCCL, first refuses (:class:`~dpkit.errors.UsageError`, before the group) more
+    processes on this node than visible GPUs, and logs once how a collective timeout
+    ends the run (:func:`~dpkit.train.guards.nccl_timeout_notice`).
+
     Args:
         data_seed: seed accelerate's sampler (``use_seedable_sampler``): the shuffle order
             of epoch e is then a function of (data_seed, e) alone, the same on every rank and
@@ -297,6 +302,21 @@ def start(
             unsharded batches). dpkit's recipes count optimizer steps and pass False.
         log_with, project_dir: accelerate's trackers.
     """
+    from dpkit.train.guards import nccl_timeout_notice
+
+    if resolution.backend == "nccl":
+        import torch
+
+        # Here, before the group: NCCL itself refuses two ranks on one GPU only once the
+        # group is up, in an error that names neither the launch flag nor the count.
+        local_processes, source = local_process_count(os.environ)
+        check_ranks_per_gpu(local_processes, torch.cuda.device_count(), source=source)
+    # Read before the group starts, from the environment torch's NCCL backend reads;
+    # dpkit sets none of its variables (why: nccl_timeout_notice).
+    timeout_notice = nccl_timeout_notice(
+        resolution.backend, os.environ, resolution.collective_timeout_s
+    )
+
     from accelerate import Accelerator, DeepSpeedPlugin
     from accelerate.utils import (
         DataLoaderConfiguration,
@@ -353,6 +373,8 @@ def start(
         project_dir=project_dir,
     )
     log_once_per_job(accelerator.is_main_process)
+    if timeout_notice is not None and accelerator.num_processes > 1:
+        logger.info("%s", timeout_notice)
     if accelerator.num_processes > 1:
         # A lazily connected process group (NCCL's default; TORCH_GLOO_LAZY_INIT=1 on CPU)
         # lets the main process run ahead of a slower rank still parsing its arguments,

@@ -5,7 +5,12 @@ Layout of ``<output_dir>``::
     run_config.json     every recipe argument and the launcher's environment
     run_info.json       what really ran (strategy, world size, backend, batch, precision)
     ds_config.json      the resolved DeepSpeed config (ZeRO runs)
-    train_log.jsonl     one line per optimizer step: loss (mean over ranks), lr, grad norm
+    train_log.jsonl     one line per optimizer step: loss (mean over ranks), lr, grad norm;
+                        ``skipped: true`` on a step whose update was skipped for a
+                        gradient overflow, and in fp16 runs ``loss_scale`` (the one the
+                        step ran at) and ``skipped_steps`` (so far) on every line
+    train_summary.json  at the end of training: the last step, how many steps were
+                        skipped (they count toward the steps), the final loss scale
     metrics.jsonl       one line per evaluation
     memory_report.json  the per-rank memory report
     model/              the final model (save_pretrained, safetensors, fp32) and tokenizer
@@ -30,6 +35,7 @@ _RUN_FILES = (
     "run_info.json",
     "ds_config.json",
     "train_log.jsonl",
+    "train_summary.json",
     "metrics.jsonl",
     "memory_report.json",
 )
@@ -65,6 +71,8 @@ class RunOutput:
                 (self.path / name).unlink(missing_ok=True)
             shutil.rmtree(self.path / "checkpoints", ignore_errors=True)
         else:
+            # The interrupted run's summary, if it got that far, counts steps this run redoes.
+            (self.path / "train_summary.json").unlink(missing_ok=True)
             for name in ("train_log.jsonl", "metrics.jsonl"):
                 path = self.path / name
                 if path.exists():
