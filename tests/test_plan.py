@@ -128,15 +128,14 @@ def test_zero2_matches_deepspeed_estimator(psi, gpus_per_node):
     """DeepSpeed: gpu = 2P + 18P/N, "2 = params_16bit, 18 = 2_grads_16bit +
     4_grads_32bit + 4_params_32bit + 8_optimizer_states_32bit": dpkit.memory.analytic's
     model states, the fp32 gradient partition included. The step's flat 16-bit copy is
-    a step temporary, left out of DeepSpeed's figure, as is torch AdamW's foreach
-    temporary."""
+    a step temporary, left out of DeepSpeed's figure (dpkit's fused AdamW adds none)."""
     estimate_zero2, _ = _ds_estimators()
     n = gpus_per_node
     _, ds_gpu = estimate_zero2(psi, num_gpus_per_node=n, num_nodes=1, cpu_offload=False)
     states = model_state_bytes(psi, "zero2", n, "bf16", "adamw")
     assert states.total == ds_gpu
     step = plan.step_bytes("zero2", "adamw", psi, n, precision="bf16")
-    assert step["flat_grad_partition"] == 2 * psi / n
+    assert step == {"flat_grad_partition": 2 * psi / n}
 
 
 @pytest.mark.parametrize("gpus_per_node", [1, 2, 4])
@@ -512,3 +511,22 @@ def test_importing_the_command_does_not_import_torch():
     code = "import sys, dpkit.plan; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.split() == ["False", "False"]
+
+
+def test_a_custom_module_without_a_transformers_config_still_records_its_layout():
+    """The Trainer callback records the live model's layout for ``dpkit plan --against``;
+    a module whose ``config`` is not a transformers config keeps its layout, no config."""
+    import torch
+
+    class Custom(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = {"hidden": 8}  # what a home-made model may call its config
+            self.proj = torch.nn.Linear(8, 3)
+
+    spec = plan_inputs.spec_from_model("custom", "live model", Custom())
+    record = json.loads(json.dumps(plan_inputs.spec_record(spec)))
+    assert record["config"] is None
+    rebuilt = plan_inputs.spec_from_record(record)
+    assert rebuilt.num_params == 8 * 3 + 3
+    assert sorted(n for group in rebuilt.param_groups for n in group) == [3, 24]

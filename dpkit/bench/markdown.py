@@ -59,7 +59,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"{load} at start; OMP_NUM_THREADS={machine['omp_num_threads'] or 'unset'}. {versions}.",
         f"Workload: {'synthetic tokens' if settings['synthetic'] else 'Shakespeare bytes'}, "
         f"micro-batch {settings['micro_batch_size']} x {settings['seq_len']} tokens per rank, "
-        f"{results['precision']}, torch AdamW, {settings['warmup_steps']} warm-up + "
+        f"{results['precision']}, torch AdamW (fused), {settings['warmup_steps']} warm-up + "
         f"{settings['timed_steps']} timed steps (median).",
     ]
 

@@ -41,7 +41,7 @@ from transformers import TrainerCallback
 
 from dpkit import resources
 from dpkit.errors import UsageError
-from dpkit.memory.settings import ZERO_MEMORY_KEYS, zero_memory_settings
+from dpkit.memory.settings import fill_zero_settings, zero_memory_settings
 from dpkit.memory.tracker import MemoryTracker
 from dpkit.memory.walk import find_ddp, inner_torch_optimizer, is_zero_optimizer, unwrap_optimizer
 from dpkit.models import ModelSizes
@@ -159,10 +159,7 @@ def deepspeed_config(
         largest_param_numel=sizes.largest_param_numel,
         on_cuda=torch.cuda.is_available(),
     )
-    zero = resolved["zero_optimization"]
-    for key in ZERO_MEMORY_KEYS:
-        if zero.get(key, "auto") == "auto":
-            zero[key] = settings[key]
+    fill_zero_settings(resolved["zero_optimization"], settings)
     leftover = [
         path
         for path, value in config_leaves(resolved)
@@ -408,6 +405,8 @@ class MemoryReportCallback(TrainerCallback):
         """Install the probes on the prepared model and optimizer, every rank."""
         from accelerate.state import PartialState
 
+        # Again here: a callback given with trainer.add_callback() after the Trainer was
+        # built never saw on_init_end.
         check_trainer_run(args)
         if self.tracker is not None:  # a second train() on the same Trainer
             self.tracker.stop()

@@ -115,6 +115,16 @@ def bucket_elements(hidden_size: int | None, num_params: int | None = None) -> i
     return -(-elements // ZERO_BUCKET_ALIGNMENT) * ZERO_BUCKET_ALIGNMENT
 
 
+def fill_zero_settings(zero: dict[str, Any], settings: dict[str, Any]) -> dict[str, Any]:
+    """Put ``settings`` (:func:`zero_memory_settings`) into a ``zero_optimization`` section
+    wherever it leaves a key of :data:`ZERO_MEMORY_KEYS` out or ``"auto"``; a written value
+    is kept. Returns ``zero``, changed in place."""
+    for key in ZERO_MEMORY_KEYS:
+        if zero.get(key, "auto") == "auto" and key in settings:
+            zero[key] = settings[key]
+    return zero
+
+
 def zero_memory_settings(
     num_params: int,
     hidden_size: int | None,

@@ -121,15 +121,12 @@ def step_bytes(
       32bit"). Offload builds them in host memory. With the parameter layout known
       (``grads_laid_out``) they are part of the step's gradients instead
       (:mod:`dpkit.memory.zero_layout`).
-    * torch AdamW (dpkit's optimizer; foreach on GPUs): one fp32 temporary
-      the size of the parameters it updates (``exp_avg_sq_sqrt``): all of
-      them under DDP, this rank's partition under ZeRO, none on the GPU under
-      offload. SGD updates in place.
+    * dpkit's optimizer is torch's fused AdamW (:func:`dpkit.models.adamw`), which
+      updates in place: no temporaries (a ``foreach`` AdamW would add one fp32 copy of
+      the parameters it updates). SGD updates in place.
     """
     strategy = get_strategy(strategy)
     psi, n = float(num_params), float(world_size)
-    optimizer_shards = n if strategy.zero_stage >= 1 else 1.0
-    updated_here = 0.0 if strategy.offload else psi / optimizer_shards
     parts: dict[str, float] = {}
     # The fp32 gradient partition feeds the fp32 master update on the GPU.
     if strategy.keeps_fp32_master and not strategy.offload and not grads_laid_out:
@@ -137,8 +134,6 @@ def step_bytes(
             parts["flat_grad_partition"] = dtype_bytes(precision) * psi / n
         else:
             parts["fp32_grad_partition"] = 4 * psi / n
-    if optimizer in ("adamw", "adam"):
-        parts["optimizer_temporaries"] = 4 * updated_here
     return parts
 
 

@@ -270,7 +270,11 @@ def spec_record(spec: ModelSpec) -> dict[str, Any]:
     record = {f.name: getattr(spec, f.name) for f in fields(ModelSpec) if f.name != "config"}
     record["param_groups"] = [list(group) for group in spec.param_groups]
     record["param_order"] = [list(where) for where in spec.param_order]
-    record["config"] = spec.config.to_dict() if spec.config is not None else None
+    # A transformers config rebuilds from its dict (spec_from_record); any other object a
+    # custom module calls its config does not, and the layout alone plans model states.
+    to_dict = getattr(spec.config, "to_dict", None)
+    config = to_dict() if callable(to_dict) else None
+    record["config"] = config if isinstance(config, dict) and "model_type" in config else None
     return record
 
 

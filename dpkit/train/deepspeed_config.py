@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 from dpkit.errors import UsageError
-from dpkit.memory.settings import ZERO_MEMORY_KEYS
+from dpkit.memory.settings import fill_zero_settings
 
 
 class _DuplicateKeyError(ValueError):
@@ -157,10 +157,7 @@ def fill_deepspeed_config(
 
     # Left out or "auto": sized to the model, not DeepSpeed's 5e8-element defaults (1.9 GiB
     # per bucket in fp32; dpkit.memory.settings.REASONS).
-    zero = config.setdefault("zero_optimization", {})
-    for key in ZERO_MEMORY_KEYS:
-        if zero.get(key, "auto") == "auto" and key in zero_settings:
-            zero[key] = zero_settings[key]
+    fill_zero_settings(config.setdefault("zero_optimization", {}), zero_settings)
 
     params = config.get("optimizer", {}).get("params")
     if isinstance(params, dict):

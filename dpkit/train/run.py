@@ -109,14 +109,16 @@ class Run:
         return None if plugin is None else plugin.deepspeed_config
 
     def make_optimizer(self, params: Any, lr: float, weight_decay: float) -> Any:
-        """torch AdamW under every strategy, so losses compare across strategies; a
-        DeepSpeed JSON with its own ``optimizer`` section gets accelerate's DummyOptim."""
-        import torch
+        """torch AdamW under every strategy, fused where torch has the kernel
+        (:func:`dpkit.models.adamw`), so losses compare across strategies; a DeepSpeed
+        JSON with its own ``optimizer`` section gets accelerate's DummyOptim."""
         from accelerate.utils import DummyOptim
+
+        from dpkit.models import adamw
 
         if "optimizer" in (self.resolution.ds_config or {}):
             return DummyOptim(params, lr=lr, weight_decay=weight_decay)
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+        return adamw(params, lr=lr, weight_decay=weight_decay)
 
     def make_scheduler(self, name: str, optimizer: Any, warmup_steps: int, total_steps: int) -> Any:
         """transformers' ``get_scheduler``; a DeepSpeed JSON with its own ``scheduler``
