@@ -191,11 +191,29 @@ def model_flops_utilization(
 
 
 def deviation_pct(measured: float, predicted: float) -> float:
-    """``|predicted - measured| / measured`` in % (the report's error, unsigned): 0 when
-    both are 0, infinite when only the prediction is."""
-    if measured == 0:
-        return 0.0 if predicted == 0 else math.inf
-    return 100.0 * abs(predicted - measured) / abs(measured)
+    """The memory report's error (:func:`dpkit.memory.report.error_pct`), unsigned:
+    infinite when only the prediction is non-zero."""
+    from dpkit.memory.report import error_pct
+
+    error = error_pct(predicted, measured)
+    return math.inf if error is None else abs(error)
+
+
+def _bound_failures(
+    run: str, figure: str, measured: float, predicted: float, tolerance_pct: float
+) -> list[Failure]:
+    """One failure if ``measured`` is more than ``tolerance_pct`` from ``predicted``."""
+    error = deviation_pct(measured, predicted)
+    if error <= tolerance_pct:
+        return []
+    return [
+        Failure(
+            run,
+            f"{figure} {_mib(predicted)}",
+            f"{_mib(measured)} ({error:.2f}% off)",
+            f"within {tolerance_pct:g}%",
+        )
+    ]
 
 
 def _mib(value: float) -> str:
@@ -253,32 +271,23 @@ def memory_failures(run: str, report: Mapping[str, Any], plan: PlanCheck) -> lis
     for row in report["ranks"]:
         failures += _peak_failures(run, row)
     for category in PREDICTED_CATEGORIES:
-        measured = float(report["measured"][category])
-        predicted = float(report["predicted"][category])
-        error = deviation_pct(measured, predicted)
-        if error > MODEL_STATE_TOLERANCE_PCT:
-            failures.append(
-                Failure(
-                    run,
-                    f"{category} (worst rank) vs the prediction {_mib(predicted)}",
-                    f"{_mib(measured)} ({error:.2f}% off)",
-                    f"within {MODEL_STATE_TOLERANCE_PCT:g}%",
-                )
-            )
+        failures += _bound_failures(
+            run,
+            f"{category} (worst rank) vs the prediction",
+            float(report["measured"][category]),
+            float(report["predicted"][category]),
+            MODEL_STATE_TOLERANCE_PCT,
+        )
     if report.get("grads_measured") is not True:
         # A floor, not a figure: the probes missed a point where gradients are held.
         failures.append(Failure(run, "grads_measured", str(report.get("grads_measured")), "True"))
-    measured, predicted = plan.measured["grads"], plan.predicted["grads"]
-    error = deviation_pct(measured, predicted)
-    if error > GRADS_PLAN_TOLERANCE_PCT:
-        failures.append(
-            Failure(
-                run,
-                f"grads (worst rank) vs dpkit plan --against {_mib(predicted)}",
-                f"{_mib(measured)} ({error:.2f}% off)",
-                f"within {GRADS_PLAN_TOLERANCE_PCT:g}%",
-            )
-        )
+    failures += _bound_failures(
+        run,
+        "grads (worst rank) vs dpkit plan --against",
+        plan.measured["grads"],
+        plan.predicted["grads"],
+        GRADS_PLAN_TOLERANCE_PCT,
+    )
     return failures
 
 

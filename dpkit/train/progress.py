@@ -77,8 +77,8 @@ class TrainingLog:
     ) -> None:
         """
         Args:
-            accelerator: the run's Accelerator (main process, trackers, whether the last
-                optimizer step was skipped, the fp16 loss scaler).
+            accelerator: the run's Accelerator, after ``prepare`` (main process, trackers,
+                whether the last optimizer step was skipped, the fp16 loss scaler).
             output: the run's :class:`~dpkit.train.run_output.RunOutput`.
             total_steps: optimizer steps the run makes (the bar's length).
             logging_steps: a log line every N steps.
@@ -100,8 +100,9 @@ class TrainingLog:
         self.memory = memory
         self.position = position if position is not None else Position(step=initial_step)
         self.last_step = self.position.step
-        scaler = LossScaler.of(accelerator)
-        self._loss_scale = None if scaler is None else scaler.scale
+        # Found once (TrainingLog is made after prepare, when the scaler exists).
+        self._scaler = LossScaler.of(accelerator)
+        self._loss_scale = None if self._scaler is None else self._scaler.scale
         self.throughput = Throughput(world_size=accelerator.num_processes)
         self.progress = tqdm(
             total=total_steps,
@@ -152,10 +153,8 @@ class TrainingLog:
         accelerate answers for both strategies: its GradScaler wrapper under DDP, the
         ZeRO optimizer's ``overflow`` flag (agreed by every rank) under DeepSpeed.
         """
-        from dpkit.train.full_state import LossScaler
-
         fields: dict[str, Any] = {}
-        scaler = LossScaler.of(self.accelerator)
+        scaler = self._scaler
         ran_at = self._loss_scale
         if scaler is not None:
             self._loss_scale = scaler.scale  # after the step: what the next one runs at
