@@ -71,6 +71,9 @@ _EXPORTS: dict[str, str] = {
     "read_jsonl": "dpkit.train.run_output",
     "Throughput": "dpkit.train.progress",
     "TrainingLog": "dpkit.train.progress",
+    # tuning
+    "TuneConfig": "dpkit.tune.config",
+    "run_tune": "dpkit.tune.run",
     # memory
     "MemoryTracker": "dpkit.memory.tracker",
     "MemoryReport": "dpkit.memory.report",

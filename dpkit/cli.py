@@ -1,4 +1,4 @@
-"""The ``dpkit`` command: ``dpkit data fetch``, ``plan``, ``bench``, ``consolidate``.
+"""The ``dpkit`` command: ``dpkit data fetch``, ``plan``, ``bench``, ``tune``, ``consolidate``.
 
 Each subcommand lives in its own module that provides ``add_arguments(parser)``
 and ``main(args) -> int``; modules are imported only when their command runs,
@@ -23,6 +23,10 @@ COMMANDS = {
     "bench": (
         "dpkit.bench.cli",
         "DDP vs ZeRO-1 vs ZeRO-2 side by side: memory, throughput, losses",
+    ),
+    "tune": (
+        "dpkit.tune.cli",
+        "the fastest strategy, micro-batch and ZeRO buckets that fit, by measuring",
     ),
     "consolidate": (
         "dpkit.train.consolidate",

@@ -117,6 +117,10 @@ def test_wheel_carries_what_dpkit_reads_at_run_time(wheel_env):
         "dpkit/bench/bare_deepspeed.py",
     ):
         assert required in names, required
+    # Every module of the checkout's package: a subpackage missing from pyproject.toml's
+    # list would be left out of the wheel with no error at build time.
+    modules = {str(p.relative_to(REPO)) for p in (REPO / "dpkit").rglob("*.py")}
+    assert not sorted(modules - names)
     assert not [n for n in names if n.startswith(("tests/", "ds_configs/"))]
 
 

@@ -90,13 +90,14 @@ def bare_run_name(strategy: str | Strategy) -> str:
 # ---- what to run ----------------------------------------------------------------------------
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now, for a launch's rendezvous."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _bin(name: str) -> str:
+def launcher_path(name: str) -> str:
     """A launcher of this Python's environment (the venv), else the one on PATH."""
     local = Path(sys.executable).parent / name
     return str(local) if local.exists() else (shutil.which(name) or name)
@@ -118,19 +119,22 @@ def workload_args(settings: dict) -> list[str]:
     ]  # fmt: skip
 
 
-def accelerate_config(strategy: Strategy, overrides: dict, out: Path) -> Path:
+def accelerate_config(
+    strategy: Strategy, overrides: dict, out: Path, deepspeed_json: Path | None = None
+) -> Path:
     """The accelerate YAML of ``strategy`` for this bench, written into ``out/configs``.
 
     dpkit's own YAML names its DeepSpeed JSON by a path relative to the repository
-    root; here it names the JSON by its absolute path (dpkit's packaged copy, or a
-    copy with ``--zero-override`` applied), so the launch works from any folder.
+    root; here it names the JSON by its absolute path (``deepspeed_json``, else dpkit's
+    packaged copy, or a copy with ``--zero-override`` applied), so the launch works
+    from any folder.
     """
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
     text = resources.accelerate_config(strategy.name).read_text()
     if strategy.uses_deepspeed:
-        json_path = resources.deepspeed_config(strategy.name)
-        if overrides:
+        json_path = deepspeed_json or resources.deepspeed_config(strategy.name)
+        if overrides and deepspeed_json is None:
             template = json.loads(json_path.read_text())
             template["zero_optimization"].update(overrides)
             json_path = configs / f"{strategy.name}_tuned.json"
@@ -139,7 +143,7 @@ def accelerate_config(strategy: Strategy, overrides: dict, out: Path) -> Path:
         if relative not in text:
             # Else the YAML would keep a path that only resolves from a checkout's root.
             raise BenchError(f"{resources.accelerate_config(strategy.name)}: names no {relative}")
-        text = text.replace(relative, str(json_path))
+        text = text.replace(relative, str(Path(json_path).resolve()))
     path = configs / f"{strategy.name}.yaml"
     path.write_text(text)
     return path
@@ -150,10 +154,10 @@ def dpkit_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
     run_dir = out / "runs" / strategy.name
     config = accelerate_config(strategy, settings["zero_overrides"], out)
     cmd = [
-        _bin("accelerate"), "launch",
+        launcher_path("accelerate"), "launch",
         "--config_file", str(config),
         "--num_processes", str(settings["nproc"]),
-        "--main_process_port", str(_free_port()),
+        "--main_process_port", str(free_port()),
         str(resources.recipe("train_lm.py")), *workload_args(settings),
         "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir), "--overwrite-output-dir",
@@ -166,7 +170,7 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
     ``deepspeed.initialize`` at the same ZeRO stage under ``deepspeed``."""
     name = bare_run_name(strategy)
     run_dir = out / "runs" / name
-    nproc, port = str(settings["nproc"]), str(_free_port())
+    nproc, port = str(settings["nproc"]), str(free_port())
     tail = [
         *workload_args(settings),
         "--mixed-precision", settings["mixed_precision"],
@@ -174,13 +178,13 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
     ]  # fmt: skip
     if strategy.uses_deepspeed:
         cmd = [
-            _bin("deepspeed"), "--num_gpus", nproc, "--master_port", port,
+            launcher_path("deepspeed"), "--num_gpus", nproc, "--master_port", port,
             "--module", "dpkit.bench.bare_deepspeed",
             "--zero-stage", str(strategy.zero_stage), *tail,
         ]  # fmt: skip
         return Phase(name, strategy, True, "deepspeed", cmd, run_dir)
     cmd = [
-        _bin("torchrun"), "--nproc_per_node", nproc, "--master_port", port,
+        launcher_path("torchrun"), "--nproc_per_node", nproc, "--master_port", port,
         "--module", "dpkit.bench.bare_ddp", *tail,
     ]  # fmt: skip
     return Phase(name, strategy, True, "torchrun", cmd, run_dir)
@@ -193,8 +197,8 @@ def collectives_phase(settings: dict, out: Path) -> Phase:
     bucket = settings["zero_overrides"].get("reduce_bucket_size")
     extra = ["--zero-bucket", str(int(float(bucket)))] if bucket not in (None, "auto") else []
     cmd = [
-        _bin("torchrun"), "--nproc_per_node", str(settings["nproc"]),
-        "--master_port", str(_free_port()),
+        launcher_path("torchrun"), "--nproc_per_node", str(settings["nproc"]),
+        "--master_port", str(free_port()),
         "--module", "dpkit.bench.collectives", *workload_args(settings), *extra,
         "--output-dir", str(run_dir),
     ]  # fmt: skip

@@ -97,8 +97,10 @@ def _trainer_model(report: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
     return spec.name, spec, int(record.get("micro_batch_size") or 1), seq_len
 
 
-def _recipe_model(run_dir: Path, config: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
-    """The model a recipe trained, its micro-batch and sequence length, from its config."""
+def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, int, int]:
+    """The model a dpkit recipe trains, its micro-batch and sequence length, from its
+    ``run_config.json`` (or the same sections parsed from its flags: ``dpkit tune``);
+    ``where`` names the source in the error for any other recipe."""
     if "ModelConfig" in config and "TrainConfig" in config:  # recipes/finetune.py
         name = config["ModelConfig"]["model"]
         spec = load_model(name, task="sequence_classification")
@@ -114,10 +116,7 @@ def _recipe_model(run_dir: Path, config: dict[str, Any]) -> tuple[str, ModelSpec
         name = workload.model_config or f"train_lm --size {workload.size}"
         spec = spec_from_config(name, "recipe", lm_data.lm_config(workload))
         return name, spec, workload.micro_batch_size, workload.seq_len
-    raise UsageError(
-        f"--against={str(run_dir)!r}: run_config.json is not from recipes/finetune.py or "
-        "recipes/train_lm.py"
-    )
+    raise UsageError(f"{where}: not from recipes/finetune.py or recipes/train_lm.py")
 
 
 def check_run(run_dir: str | Path) -> PlanCheck:
@@ -130,7 +129,9 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         model_name, spec, micro_batch, seq_len = _trainer_model(report)
     else:
         config = _read_json(run_dir / "run_config.json", "written at the start of every run")
-        model_name, spec, micro_batch, seq_len = _recipe_model(run_dir, config)
+        model_name, spec, micro_batch, seq_len = recipe_model(
+            config, f"--against={str(run_dir)!r}: run_config.json"
+        )
     try:  # the report may use accelerate's name for fp32, "no"
         precision = canonical_precision(report["precision"])
     except ValueError:

@@ -104,6 +104,11 @@ class TrainingLog:
         self._scaler = LossScaler.of(accelerator)
         self._loss_scale = None if self._scaler is None else self._scaler.scale
         self.throughput = Throughput(world_size=accelerator.num_processes)
+        # Per-step figures a record leaves out (a recipe may time its own steps): wall and
+        # CPU time since the last step, and this rank's samples and tokens in the step.
+        self._step_tokens: Any = 0
+        self._step_samples = 0
+        self._step_started = (time.perf_counter(), time.process_time())
         self.progress = tqdm(
             total=total_steps,
             initial=self.position.step,
@@ -120,12 +125,29 @@ class TrainingLog:
     def micro_batch(self, tokens: Any, samples: int) -> None:
         """Count one micro-batch's tokens (a device tensor is fine) and samples."""
         self.throughput.update(tokens, samples)
+        self._step_tokens = self._step_tokens + tokens
+        self._step_samples += int(samples)
 
     def step(self, record: dict[str, Any]) -> None:
         """One optimizer step's record (``step`` and ``loss`` at least); call it on every
-        rank after every optimizer step (it also checks whether the update was skipped)."""
+        rank after every optimizer step (it also checks whether the update was skipped).
+
+        A record without them gets ``step_time_s`` and ``step_cpu_s`` (this process's wall
+        and CPU time since the previous step, or since the log was made: whatever ran
+        between two steps, an evaluation too, counts in the next step) and
+        ``tokens_per_rank``/``samples_per_rank`` (counted by :meth:`micro_batch`): what
+        ``dpkit tune`` and ``dpkit bench`` read."""
         step = self.last_step = record["step"]
-        record = {**record, **self._overflow_fields(step)}
+        now = (time.perf_counter(), time.process_time())
+        measured = {
+            "step_time_s": now[0] - self._step_started[0],
+            "step_cpu_s": now[1] - self._step_started[1],
+            "tokens_per_rank": int(self._step_tokens),
+            "samples_per_rank": self._step_samples,
+        }
+        self._step_tokens, self._step_samples, self._step_started = 0, 0, now
+        missing = {key: value for key, value in measured.items() if key not in record}
+        record = {**record, **missing, **self._overflow_fields(step)}
         self.output.append_jsonl("train_log.jsonl", record)
         self.progress.update(1)
         self.progress.set_postfix(loss=f"{record['loss']:.4f}")

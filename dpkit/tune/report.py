@@ -1,0 +1,231 @@
+"""What ``dpkit tune`` writes: ``results.json`` (every raw number, the machine, the
+versions), ``results.md`` (the table, also printed), ``chart.png`` (throughput against
+measured memory per candidate, the budget line, the winner marked) and ``winner/``:
+the winner's resolved DeepSpeed JSON, an accelerate YAML naming it, and the launch
+command (``command.sh``)."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+from typing import Any
+
+from dpkit.bench import launch
+from dpkit.strategy import get_strategy
+from dpkit.tune import space
+from dpkit.tune.config import TuneSettings
+from dpkit.tune.decide import Decision
+from dpkit.tune.trials import OK, Trial, recipe_command, trial_dir
+
+MIB = 2**20
+OUTPUTS = ("results.json", "results.md", "chart.png")
+WINNER_DIR = "winner"
+
+
+def clear_outputs(out: Path) -> None:
+    """Remove an earlier tune's report and winner files (its trials stay, for reuse)."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in OUTPUTS:
+        (out / name).unlink(missing_ok=True)
+    shutil.rmtree(out / WINNER_DIR, ignore_errors=True)
+
+
+def build_results(
+    settings: TuneSettings,
+    trials: list[Trial],
+    decision: Decision,
+    *,
+    plan_note: str,
+    machine: dict[str, Any],
+    command: str,
+    wall_s: float,
+    stopped: str | None,
+) -> dict[str, Any]:
+    """Everything the tune measured and decided, as ``results.json`` holds it."""
+    config = settings.config
+    winner = decision.winner
+    baseline_name = space.baseline(settings).name
+    return {
+        "command": command,
+        "recipe": str(settings.recipe.path),
+        "recipe_args": list(config.recipe_args),
+        "nproc": settings.nproc,
+        "device": settings.device,
+        "precision": settings.precision,
+        "global_batch_size": settings.global_batch_size,
+        "warmup_steps": config.warmup_steps,
+        "timed_steps": config.steps,
+        "memory_budget_bytes": settings.memory_budget,
+        "tie_tolerance": config.tie_tolerance,
+        "loss_rtol": decision.loss_rtol,
+        "threads_per_process": settings.threads_per_process,
+        "plan": plan_note,
+        "trials": [{**t.as_dict(), "verdict": decision.verdicts[t.name].as_dict()} for t in trials],
+        "baseline": None if decision.baseline is None else decision.baseline.name,
+        "baseline_name": baseline_name,
+        "baseline_why_not": decision.verdicts[baseline_name].why_not
+        if baseline_name in decision.verdicts
+        else "was not measured",
+        "winner": None if winner is None else winner.name,
+        "winner_reason": decision.reason,
+        "tie": decision.tie,
+        "speedup_over_baseline": decision.speedup,
+        "stopped": stopped,
+        "wall_s": wall_s,
+        "machine": machine,
+    }
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value / MIB:.1f}"
+
+
+def format_markdown(results: dict[str, Any]) -> str:
+    """The trials as a table, then the decision."""
+    budget = results["memory_budget_bytes"]
+    lines = [
+        f"# dpkit tune: {Path(results['recipe']).name}, {results['nproc']} processes "
+        f"({results['device']}), global batch {results['global_batch_size']}, "
+        f"{results['precision']}",
+        "",
+        f"`{results['command']}`",
+        "",
+        f"Budget per rank: {'none' if budget is None else f'{budget / MIB:.1f} MiB'}; "
+        f"{results['plan']}. Step time: median of {results['timed_steps']} steps after "
+        f"{results['warmup_steps']} warm-up; losses against DDP at the same micro-batch, "
+        f"tolerance {results['loss_rtol']:g}.",
+        "",
+        "| candidate | status | step s (min-max) | samples/s | tokens/s | peak MiB/rank "
+        "| plan MiB | model states MiB | loss dev. vs DDP | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for trial in results["trials"]:
+        figures, verdict = trial["figures"], trial["verdict"]
+        name = trial["name"] + (" **winner**" if trial["name"] == results["winner"] else "")
+        name += " (current)" if trial["name"] == results["baseline_name"] else ""
+        if trial["status"] == OK:
+            step = (
+                f"{figures['median_step_time_s']:.3f} ({figures['min_step_time_s']:.3f}-"
+                f"{figures['max_step_time_s']:.3f})"
+            )
+            rates = f"{figures['samples_per_s']:.1f} | {figures['tokens_per_s']:.0f}"
+            memory = f"{_mib(figures['memory_bytes'])}"
+            states = _mib(figures["model_states_per_rank"])
+        else:
+            step, rates, memory, states = "-", "- | -", "-", "-"
+        deviation = verdict.get("loss_deviation")
+        loss = "-" if deviation is None else f"{deviation:.1e}"
+        note = verdict.get("why_not") or trial["reason"]
+        note += " (reused)" if trial["reused"] else ""
+        lines.append(
+            f"| {name} | {trial['status']} | {step} | {rates} | {memory} "
+            f"| {_mib(trial['predicted_bytes'])} | {states} | {loss} | {note} |"
+        )
+    lines.append("")
+    if results["winner"] is None:
+        lines.append(f"No winner: {results['winner_reason']}.")
+    else:
+        speedup = results["speedup_over_baseline"]
+        against = (
+            f"{speedup:.2f}x the throughput of the current configuration ({results['baseline']})"
+            if speedup is not None
+            else f"no speedup figure: the current configuration ({results['baseline_name']}) "
+            f"{results['baseline_why_not'] or 'was not measured'}"
+        )
+        lines += [
+            f"Winner: **{results['winner']}**: {results['winner_reason']}; {against}.",
+            "",
+            f"Launch it: `bash {WINNER_DIR}/command.sh` (files in `{WINNER_DIR}/`).",
+        ]
+    if results["stopped"]:
+        lines += ["", f"Stopped early: {results['stopped']}."]
+    return "\n".join(lines)
+
+
+def write_chart(results: dict[str, Any], path: Path) -> None:
+    """Throughput against measured peak memory per rank, one point per measured
+    candidate, the budget as a vertical line, the winner marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ddp": "#4c72b0", "zero1": "#dd8452", "zero2": "#55a868"}
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for trial in results["trials"]:
+        if trial["status"] != OK:
+            continue
+        figures = trial["figures"]
+        x, y = figures["memory_bytes"] / MIB, figures["samples_per_s"]
+        winner = trial["name"] == results["winner"]
+        current = trial["name"] == results["baseline_name"]
+        ax.scatter(
+            x,
+            y,
+            s=220 if winner else 50,
+            marker="*" if winner else ("s" if current else "o"),
+            color=colors.get(trial["strategy"], "grey"),
+            edgecolors="black" if winner else "none",
+            zorder=3,
+        )
+        ax.annotate(trial["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
+    for name, color in colors.items():
+        ax.scatter([], [], color=color, label=get_strategy(name).label)
+    if results["memory_budget_bytes"] is not None:
+        ax.axvline(results["memory_budget_bytes"] / MIB, color="red", linestyle="--")
+        ax.plot([], [], color="red", linestyle="--", label="budget")
+    ax.set_xlabel("measured peak per rank (MiB)")
+    ax.set_ylabel("samples/s (all ranks)")
+    ax.set_title(
+        f"dpkit tune: {Path(results['recipe']).name}, {results['nproc']} processes, "
+        f"global batch {results['global_batch_size']} (winner: star, current: square)"
+    )
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_winner(settings: TuneSettings, decision: Decision, out: Path) -> Path | None:
+    """``winner/``: the resolved DeepSpeed JSON the winner ran with (ZeRO), the accelerate
+    YAML naming it, and ``command.sh`` launching the recipe with the winner's settings."""
+    trial = decision.winner
+    if trial is None:
+        return None
+    where = out / WINNER_DIR
+    where.mkdir(parents=True, exist_ok=True)
+    strategy = get_strategy(trial.candidate.strategy)
+    ds_json = None
+    if strategy.uses_deepspeed:
+        ds_json = where / "ds_config.json"
+        shutil.copyfile(trial_dir(settings, trial.candidate) / "run" / "ds_config.json", ds_json)
+    yaml = launch.accelerate_config(strategy, {}, where, deepspeed_json=ds_json)
+    final = where / "accelerate.yaml"
+    yaml.replace(final)
+    shutil.rmtree(where / "configs", ignore_errors=True)
+    cmd = [
+        "accelerate", "launch",
+        "--config_file", str(final),
+        "--num_processes", str(settings.nproc),
+        *recipe_command(settings, trial.candidate),
+    ]  # fmt: skip
+    (where / "command.sh").write_text(
+        f"#!/usr/bin/env bash\n# dpkit tune's winner: {trial.name} "
+        f'({trial.step_time:.3f} s per step measured)\n{shlex.join(cmd)} "$@"\n'
+    )
+    return where
+
+
+def write_all(settings: TuneSettings, results: dict[str, Any], decision: Decision) -> None:
+    """results.json, results.md, chart.png and the winner's files; the table printed."""
+    out = settings.output_dir
+    (out / "results.json").write_text(json.dumps(results, indent=2) + "\n")
+    table = format_markdown(results)
+    (out / "results.md").write_text(table + "\n")
+    write_chart(results, out / "chart.png")
+    write_winner(settings, decision, out)
+    print(table)
+    print(f"\nresults: {', '.join(str(out / name) for name in OUTPUTS)}")

@@ -1,0 +1,189 @@
+"""The candidates of ``dpkit tune`` and their predicted memory.
+
+Two rounds, so the default tune stays within minutes:
+
+1. every strategy at every micro-batch, accumulation making up the same global batch
+   (so every candidate trains the same samples per optimizer step and their losses are
+   comparable), ZeRO with dpkit's own bucket settings;
+2. for each ZeRO strategy, its fastest fitting round-1 micro-batch with other bucket
+   sizes, and ``contiguous_gradients`` (and on CUDA ``overlap_comm``) flipped.
+
+Each candidate's memory is predicted by ``dpkit plan``'s arithmetic
+(:func:`dpkit.plan.estimate.estimate`) with the candidate's own settings, and a
+candidate predicted over the budget is not launched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from dpkit.memory.settings import DEEPSPEED_DEFAULT_BUCKET, ZERO_BUCKET_ALIGNMENT
+from dpkit.strategy import get_strategy
+from dpkit.tune.config import TuneSettings
+
+MIB = 2**20
+# Smaller buckets only add per-call costs (dpkit.memory.settings measured them).
+MIN_BUCKET = 2**18
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: a strategy, a micro-batch and its accumulation, and the
+    ``zero_optimization`` keys set over dpkit's own (none: dpkit's)."""
+
+    strategy: str
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    zero: tuple[tuple[str, Any], ...] = ()
+    round: int = 1
+
+    @property
+    def name(self) -> str:
+        """A short unique name, also the trial's folder: ``zero2-mb2x2-bucket4M-nocontig``."""
+        parts = [f"{self.strategy}-mb{self.micro_batch_size}x{self.gradient_accumulation_steps}"]
+        for key, value in self.zero:
+            if key == "reduce_bucket_size":
+                parts.append(f"bucket{_short(value)}")
+            elif key == "contiguous_gradients":
+                parts.append("contig" if value else "nocontig")
+            elif key == "overlap_comm":
+                parts.append("overlap" if value else "nooverlap")
+        return "-".join(parts)
+
+    @property
+    def zero_overrides(self) -> dict[str, Any]:
+        """The keys for the DeepSpeed JSON (a bucket size sets both buckets)."""
+        overrides = dict(self.zero)
+        if "reduce_bucket_size" in overrides:
+            overrides["allgather_bucket_size"] = overrides["reduce_bucket_size"]
+        return overrides
+
+    @property
+    def sharding(self) -> int:
+        """How much is sharded (DDP 0 < ZeRO-1 < ZeRO-2): ties go to the least."""
+        return get_strategy(self.strategy).zero_stage
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "strategy": self.strategy,
+            "micro_batch_size": self.micro_batch_size,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "zero_overrides": self.zero_overrides,
+            "round": self.round,
+        }
+
+
+def _short(elements: int) -> str:
+    for unit, size in (("M", 2**20), ("K", 2**10)):
+        if elements % size == 0:
+            return f"{elements // size}{unit}"
+    return str(elements)
+
+
+def baseline(settings: TuneSettings) -> Candidate:
+    """The current configuration: its strategy, micro-batch and accumulation, dpkit's
+    ZeRO settings."""
+    config = settings.config
+    return Candidate(
+        config.baseline_strategy,
+        settings.baseline_micro_batch,
+        settings.per_rank_batch // settings.baseline_micro_batch,
+    )
+
+
+def first_round(settings: TuneSettings) -> list[Candidate]:
+    """Every strategy at every micro-batch; the baseline first, then DDP (the reference
+    of the losses), largest micro-batches first."""
+    ordered = sorted(
+        (
+            Candidate(name, micro, settings.per_rank_batch // micro)
+            for name in settings.config.strategies
+            for micro in settings.micro_batch_sizes
+        ),
+        key=lambda c: (c.sharding, -c.micro_batch_size),
+    )
+    first = baseline(settings)
+    return [first, *(c for c in ordered if c != first)]
+
+
+def _aligned(elements: float) -> int:
+    elements = int(min(max(elements, MIN_BUCKET), DEEPSPEED_DEFAULT_BUCKET))
+    return -(-elements // ZERO_BUCKET_ALIGNMENT) * ZERO_BUCKET_ALIGNMENT
+
+
+def second_round(
+    best: Candidate, resolved_zero: dict[str, Any], settings: TuneSettings
+) -> list[Candidate]:
+    """Variants of a ZeRO candidate's settings around what it ran with (``resolved_zero``,
+    the ``zero_optimization`` section of its ``ds_config.json``)."""
+    bucket = int(resolved_zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_BUCKET))
+    sizes = settings.config.zero_bucket_sizes or (_aligned(bucket / 4), _aligned(bucket * 4))
+    variants: list[tuple[tuple[str, Any], ...]] = [
+        (("reduce_bucket_size", int(size)),) for size in sizes if int(size) != bucket
+    ]
+    contiguous = bool(resolved_zero.get("contiguous_gradients", True))
+    variants.append((("contiguous_gradients", not contiguous),))
+    if settings.device == "cuda" and best.sharding == 2:
+        overlap = bool(resolved_zero.get("overlap_comm", False))
+        variants.append((("overlap_comm", not overlap),))
+    return [
+        Candidate(
+            best.strategy, best.micro_batch_size, best.gradient_accumulation_steps, zero, round=2
+        )
+        for zero in variants
+    ]
+
+
+class MemoryPlan:
+    """``dpkit plan``'s prediction for each candidate: the model and the activation
+    profile built once, the estimate per candidate with its own settings."""
+
+    def __init__(self, settings: TuneSettings) -> None:
+        from dpkit.memory.analytic import canonical_precision
+        from dpkit.plan.activations import activation_profile
+        from dpkit.plan.check import recipe_model
+
+        self.settings = settings
+        self.model_name, self.spec, _, self.seq_len = recipe_model(
+            settings.plan_model or {}, f"--recipe={settings.recipe.path.name}"
+        )
+        self.precision = canonical_precision(settings.precision)
+        self.activations = activation_profile(self.spec, self.seq_len, self.precision, False)
+
+    def predict(self, candidate: Candidate) -> float:
+        """Predicted peak bytes per rank (the plan's total, no reserve, no headroom)."""
+        from dpkit.plan.estimate import buffer_settings, estimate
+        from dpkit.plan.inputs import PlanInputs
+
+        on_cuda = self.settings.device == "cuda"
+        nproc = self.settings.nproc
+        inputs = PlanInputs(
+            model=self.spec,
+            gpus_per_node=nproc,
+            gpu_memory=max(self.settings.memory_budget or 0, 2**40),
+            precision=self.precision,
+            micro_batch=candidate.micro_batch_size,
+            seq_len=self.seq_len,
+            reserve=0,
+            headroom=0.0,
+        )
+        plan_settings = buffer_settings(self.spec, nproc, on_cuda=on_cuda)
+        plan_settings.update(candidate.zero_overrides)
+        row = estimate(
+            inputs, candidate.strategy, candidate.micro_batch_size, self.activations, plan_settings
+        )
+        return float(row.total)
+
+
+def memory_plan(settings: TuneSettings) -> tuple[MemoryPlan | None, str]:
+    """The plan, or None and why not (a recipe not of dpkit's: its model is unknown
+    before it runs)."""
+    if settings.plan_model is None:
+        return None, (
+            f"no plan: {settings.recipe.path.name} is not one of dpkit's recipes, so its model "
+            "is known only once it runs; the budget is checked against measurements"
+        )
+    plan = MemoryPlan(settings)
+    return plan, f"plan: {plan.model_name}, {plan.seq_len} tokens, {plan.precision}"
