@@ -85,7 +85,9 @@ def test_bf16_reaches_every_training_launch_and_the_checks(tmp_path):
     assert settings["mixed_precision"] == "bf16"
     phases = bench.plan_phases(settings, tmp_path)
     training = [p for p in phases if p.trains]
-    assert len(training) == 6  # dpkit and bare, for each of the three strategies
+    # dpkit and bare, for each of the three strategies, and the compute floor (one process)
+    assert len(training) == 7
+    assert [p.nproc for p in training if p.name == bench.FLOOR_RUN] == [1]
     for phase in training:
         flag = phase.cmd.index("--mixed-precision")
         assert phase.cmd[flag + 1] == "bf16", phase.cmd
@@ -205,12 +207,12 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
     assert table.strip() in output  # the table is printed at the end
     for run_ in results["runs"].values():  # the installed copies, not the checkout's
         assert any(str(wheel_env.root) in part for part in run_["command"]), run_["command"]
-    for label in ("| DDP |", "| ZeRO-1 |", "| ZeRO-2 |"):
+    for label in ("| DDP |", "| ZeRO-1 |", "| ZeRO-2 |", "| floor/step |", "| floor | torchrun |"):
         assert label in table
 
     runs, comparison = results["runs"], results["comparison"]
     assert set(results["strategies"]) == {"ddp", "zero1", "zero2"} == set(comparison)
-    assert set(runs) == {"ddp", "zero1", "zero2", "bare_ddp", "bare_zero1", "bare_zero2"}
+    assert set(runs) == {"ddp", "zero1", "zero2", "bare_ddp", "bare_zero1", "bare_zero2", "floor"}
     assert results["machine"]["cpu_model"] and results["machine"]["versions"]["torch"]
     assert results["machine"]["versions"]["deepspeed"]
 
@@ -228,7 +230,8 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         assert all(x["tokens_per_rank"] == MICRO_BATCH * SEQ_LEN for x in raw[name]), name
         medians[name] = statistics.median(x["step_time_s"] for x in raw[name][WARMUP:])
         assert r["median_step_time_s"] == medians[name], name
-        assert r["tokens_per_s"] == pytest.approx(MICRO_BATCH * SEQ_LEN * n / medians[name])
+        ranks = 1 if name == "floor" else n  # the compute floor is one process alone
+        assert r["tokens_per_s"] == pytest.approx(MICRO_BATCH * SEQ_LEN * ranks / medians[name])
         if not r["bare"]:
             assert r["run_info"]["world_size"] == n and r["run_info"]["strategy"] == name
 
@@ -265,6 +268,7 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         ), name
         bare = bench.bare_run_name(name)
         assert row["dpkit_over_bare_step_time"] == pytest.approx(medians[name] / medians[bare])
+        assert row["floor_over_step_time"] == pytest.approx(medians["floor"] / medians[name])
         # Numerically the same training: against DDP, and against the bare twin.
         deviation = max_rel_diff(raw_losses[name], raw_losses["ddp"])
         assert deviation < LOSS_RTOL, (name, deviation)

@@ -129,6 +129,11 @@ def test_launch_form_runs_what_it_says(launched, name):
     assert f"world_size={world_size}" in result.output
     # Run output: 6 steps logged, final evaluations, a loadable model folder.
     assert [r["step"] for r in result.train_log] == list(range(1, 7))
+    # Every step timed and counted (dpkit.TrainingLog; what dpkit tune reads): 16 samples
+    # per rank, at most 16 x 64 real tokens (padding is not counted).
+    for record in result.train_log:
+        assert record["step_time_s"] > 0 and record["step_cpu_s"] > 0, record
+        assert record["samples_per_rank"] == 16 and 0 < record["tokens_per_rank"] <= 16 * 64
     assert result.final("validation")["samples"] == 101
     assert (result.output_dir / "model" / "model.safetensors").is_file()
     assert (result.output_dir / "model" / "tokenizer.json").is_file()

@@ -243,6 +243,11 @@ def test_a_failed_trial_is_recorded_and_sigterm_stops_after_the_running_one(tmp_
         (["--memory-budget", "12XB"], LM_ARGS, "--memory-budget"),
         (["--memory-budget", "2MiB"], LM_ARGS, "no candidate fits; the smallest"),
         (["--micro-batch-sizes", "3"], LM_ARGS, "3 does not divide the 4 samples per rank"),
+        (
+            ["--global-batch-size", "16", "--gradient-accumulation-steps", "3"],
+            LM_ARGS,
+            "--gradient-accumulation-steps=3: micro-batch 4 x 3 x 2 processes is not",
+        ),
         ([], [*LM_ARGS, "--micro-batch-size", "8"], "dpkit tune sets --micro-batch-size"),
         (["--strategies", "ddp,zero3"], LM_ARGS, "strategies='ddp,zero3'"),
     ],

@@ -9,6 +9,11 @@ Same model, data, batch order, seed and optimizer as ``recipes/train_lm.py``
 by default: DDP's own bucket size, no ``gradient_as_bucket_view``. ``dpkit bench``
 divides dpkit's step time by this one's to show dpkit's overhead.
 Writes train_log.jsonl in train_lm.py's format.
+
+At one process (``--nproc_per_node 1``) the model is not wrapped at all: one rank
+alone, the same per-rank batch, forward, backward and optimizer with no
+communication. That is the bench's compute floor (``floor``), against which every
+run's step time is a fraction: how much of a step is parallel overhead.
 """
 
 from __future__ import annotations
@@ -45,9 +50,10 @@ def main() -> None:
     dataset = lm_data.token_blocks(workload, config.vocab_size)
     lm_data.check_enough_blocks(dataset, workload, world_size)
     model = lm_data.build_lm(config, workload.seed).to(device)
-    model = DistributedDataParallel(
-        model, device_ids=[local_rank] if device.type == "cuda" else None
-    )
+    if world_size > 1:
+        model = DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None
+        )
     # dpkit's own AdamW (fused where torch has it): the ratio measures dpkit, not the kernel.
     optimizer = adamw(
         adamw_param_groups(model, workload.weight_decay),
@@ -69,7 +75,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         mean_loss = loss.detach().clone()
-        dist.all_reduce(mean_loss)
+        if world_size > 1:
+            dist.all_reduce(mean_loss)
         mean_loss = mean_loss.item() / world_size
         now, now_cpu = time.perf_counter(), time.process_time()
         if rank == 0:

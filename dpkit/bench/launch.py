@@ -47,6 +47,8 @@ RENDEZVOUS_VARS = (
     "MASTER_PORT",
 )
 """The torch.distributed rendezvous a launcher sets for its children."""
+FLOOR_RUN = "floor"
+"""The run name of the compute floor (:func:`floor_phase`), a key of results.json's ``runs``."""
 COLLECTIVES_FILE = "collectives.json"
 """What the collectives phase writes (:mod:`dpkit.bench.collectives`)."""
 
@@ -75,6 +77,8 @@ class Phase:
     """Where the run writes train_log.jsonl (and, for dpkit runs, the memory report)."""
     trains: bool = True
     """A training run (logs steps); False for the collectives phase (collectives.json)."""
+    nproc: int | None = None
+    """Its processes, where not the bench's (the compute floor runs one)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):
@@ -190,6 +194,20 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
     return Phase(name, strategy, True, "torchrun", cmd, run_dir)
 
 
+def floor_phase(settings: dict, out: Path) -> Phase:
+    """The compute floor: the bare DDP loop at one process (no wrapper, no communication),
+    the same per-rank batch and threads per process; each run's step time is set against
+    it (:mod:`dpkit.bench.results`)."""
+    run_dir = out / "runs" / FLOOR_RUN
+    cmd = [
+        launcher_path("torchrun"), "--nproc_per_node", "1", "--master_port", str(free_port()),
+        "--module", "dpkit.bench.bare_ddp", *workload_args(settings),
+        "--mixed-precision", settings["mixed_precision"],
+        "--output-dir", str(run_dir),
+    ]  # fmt: skip
+    return Phase(FLOOR_RUN, get_strategy("ddp"), True, "torchrun", cmd, run_dir, nproc=1)
+
+
 def collectives_phase(settings: dict, out: Path) -> Phase:
     """The collectives each strategy adds, timed alone for the same model
     (:mod:`dpkit.bench.collectives`): what the step times of the runs are made of."""
@@ -214,6 +232,8 @@ def plan_phases(settings: dict, out: Path) -> list[Phase]:
         if settings["bare"]:
             phases.append(bare_phase(strategy, settings, out))
     if settings["nproc"] > 1:
+        if settings["bare"]:
+            phases.append(floor_phase(settings, out))
         phases.append(collectives_phase(settings, out))
     return phases
 
@@ -319,7 +339,8 @@ def run_phase(phase: Phase, index: int, count: int, settings: dict, env: dict) -
     phase.run_dir.mkdir(parents=True)
     log_path = phase.run_dir / "launch.log"
     (phase.run_dir / "command.txt").write_text(shlex.join(phase.cmd) + "\n")
-    label = f"[{index}/{count}] {phase.name:<10} ({phase.launcher}, {settings['nproc']} procs)"
+    nproc = phase.nproc or settings["nproc"]
+    label = f"[{index}/{count}] {phase.name:<10} ({phase.launcher}, {nproc} procs)"
     print(f"{label}: starting", file=sys.stderr, flush=True)
     started = time.perf_counter()
     with open(log_path, "w") as log:

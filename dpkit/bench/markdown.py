@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpkit.bench.launch import FLOOR_RUN
 from dpkit.bench.results import REFERENCE, max_relative_deviation, result_strategies
 from dpkit.memory.categories import MODEL_STATES
 from dpkit.strategy import get_strategy
@@ -134,16 +135,30 @@ def _run_table(results: dict[str, Any]) -> list[str]:
         "",
         "Every run: median step time after the warm-up (wall; and the main process's CPU "
         "time, which other work on a shared machine disturbs far less), rates per rank and "
-        f"in total ({nproc} ranks); loss deviation is the largest relative difference from "
-        "dpkit DDP.",
+        f"in total ({nproc} ranks); floor/step is the compute floor's step time (one "
+        "rank alone, the same per-rank batch, forward, backward and optimizer, no "
+        "communication: the `floor` run) over the run's, so 1 - floor/step is the share of "
+        "a step that parallelism costs; loss deviation is the largest relative difference "
+        "from dpkit DDP.",
         "",
         "| run | launcher | median step (s) | min-max (s) | CPU per step (s) | tokens/s per rank "
-        "| tokens/s | samples/s per rank | samples/s | loss dev. vs DDP | wall (s) |",
-        "|---|---|" + "---:|" * 9,
+        "| tokens/s | samples/s per rank | samples/s | floor/step | loss dev. vs DDP | wall (s) |",
+        "|---|---|" + "---:|" * 10,
     ]
     reference = runs.get(REFERENCE.name)
+    floor = runs.get(FLOOR_RUN)
     for name, run in runs.items():
-        dev = max_relative_deviation(run["losses"], reference["losses"]) if reference else None
+        # The floor is one rank on its own data: no loss to compare with DDP's mean.
+        dev = (
+            max_relative_deviation(run["losses"], reference["losses"])
+            if reference and name != FLOOR_RUN
+            else None
+        )
+        efficiency = (
+            "-"
+            if floor is None or name == FLOOR_RUN
+            else f"{floor['median_step_time_s'] / run['median_step_time_s']:.2f}"
+        )
         cells = [
             name,
             run["launcher"],
@@ -154,7 +169,8 @@ def _run_table(results: dict[str, Any]) -> list[str]:
             f"{run['tokens_per_s']:,.0f}",
             f"{run['samples_per_s_per_rank']:.2f}",
             f"{run['samples_per_s']:.2f}",
-            _deviation(dev, name == REFERENCE.name),
+            efficiency,
+            _deviation(dev, name in (REFERENCE.name, FLOOR_RUN)),
             f"{run['wall_s']:.0f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -10,7 +10,10 @@ Definitions (all in ``results.json``, with the raw per-step and per-rank figures
 * saved vs DDP, measured: DDP's measured total minus the strategy's, per rank;
   predicted: the same difference of :func:`dpkit.memory.analytic.model_state_bytes`;
 * loss deviation: the largest ``|loss - loss_ddp| / |loss_ddp|`` over the steps;
-* dpkit/bare: dpkit's median step time over its bare twin's (lower is better).
+* dpkit/bare: dpkit's median step time over its bare twin's (lower is better);
+* floor/step: the compute floor's median step time (one rank alone, the same per-rank
+  batch, no communication: ``runs["floor"]``) over the run's; 1 means no parallel
+  overhead, and 1 - floor/step is the share of a step that parallelism costs.
 
 Every strategy is compared with :data:`REFERENCE` (DDP, the full replica).
 """
@@ -22,7 +25,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from dpkit.bench.launch import COLLECTIVES_FILE, Phase, bare_run_name
+from dpkit.bench.launch import COLLECTIVES_FILE, FLOOR_RUN, Phase, bare_run_name
 from dpkit.memory.analytic import dtype_bytes, model_state_bytes
 from dpkit.memory.categories import CATEGORIES
 from dpkit.memory.report import gradient_partition_bytes
@@ -148,7 +151,9 @@ def read_run(phase: Phase, wall_s: float, settings: dict[str, Any]) -> dict[str,
         "run_dir": str(phase.run_dir),
     }
     records = read_jsonl(phase.run_dir / "train_log.jsonl")
-    run.update(summarize_steps(records, settings["warmup_steps"], settings["nproc"]))
+    nproc = phase.nproc or settings["nproc"]
+    run["nproc"] = nproc
+    run.update(summarize_steps(records, settings["warmup_steps"], nproc))
     if not phase.bare:
         run["run_info"] = _read_json(phase.run_dir / "run_info.json")
         run["memory"] = summarize_memory(_read_json(phase.run_dir / "memory_report.json"))
@@ -199,6 +204,10 @@ def compare(
             ),
             loss_max_rel_dev_vs_ddp=max_relative_deviation(run["losses"], reference["losses"]),
         )
+    floor = runs.get(FLOOR_RUN)
+    if floor is not None:
+        row["floor_over_step_time"] = floor["median_step_time_s"] / run["median_step_time_s"]
+        row["floor_over_step_cpu"] = _quotient(floor["median_step_cpu_s"], run["median_step_cpu_s"])
     bare = runs.get(bare_run_name(strategy))
     if bare is not None:
         row["dpkit_over_bare_step_time"] = run["median_step_time_s"] / bare["median_step_time_s"]

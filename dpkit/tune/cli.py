@@ -103,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpu-memory",
         default=None,
         help="per-rank memory a candidate may use, e.g. 80GiB, 300MiB (default: the GPU's "
-        "memory; none on CPU)",
+        "memory less 2 GiB for the CUDA context; none on CPU)",
     )
     parser.add_argument("--warmup-steps", type=int, default=2, help="untimed steps per trial")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per trial")

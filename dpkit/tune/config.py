@@ -75,7 +75,8 @@ class TuneConfig:
     """A second round: the best ZeRO candidates with other bucket sizes and
     ``contiguous_gradients`` flipped (``overlap_comm`` too on CUDA)."""
     memory_budget: int | None = None
-    """Bytes per rank a candidate may use (default: the GPU's memory; none on CPU)."""
+    """Bytes per rank a candidate may use (default: the GPU's memory less dpkit plan's 2 GiB
+    reserve for the CUDA context and allocator slack; none on CPU)."""
     warmup_steps: int = 2
     """Untimed optimizer steps per trial (step 1 holds the memory probes)."""
     steps: int = 4
@@ -290,7 +291,7 @@ def _powers_of_two(per_rank: int, keep: int = 3) -> tuple[int, ...]:
 def resolve_tune(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> TuneSettings:
     """Fill the defaults and check everything that can be wrong, before any launch."""
     from dpkit.bench.machine import usable_cores
-    from dpkit.plan.inputs import GIB
+    from dpkit.plan.inputs import GIB, PlanInputs
 
     path = find_recipe(config.recipe)
     nproc = config.nproc or gpu_count or DEFAULT_CPU_PROCS
@@ -314,8 +315,13 @@ def resolve_tune(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> Tun
             f"--micro-batch-size={micro}: does not divide the {per_rank} samples per rank "
             f"(global batch {global_batch} / {nproc} processes)"
         )
-    if config.global_batch_size and micro * accumulation * nproc != global_batch:
-        accumulation = per_rank // micro  # the current configuration at the tuned batch
+    if micro * accumulation != per_rank:
+        if accumulation != 1:  # given, and not the global batch's: say so, do not guess
+            raise UsageError(
+                f"--gradient-accumulation-steps={accumulation}: micro-batch {micro} x "
+                f"{accumulation} x {nproc} processes is not --global-batch-size={global_batch}"
+            )
+        accumulation = per_rank // micro  # the current micro-batch at the tuned batch
     sizes = config.micro_batch_sizes or _powers_of_two(per_rank)
     for size in sizes:
         if per_rank % size:
@@ -328,7 +334,9 @@ def resolve_tune(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> Tun
     if budget is None and gpu_count:
         import torch
 
-        budget = torch.cuda.get_device_properties(0).total_memory
+        # The allocator's peak is checked against it: leave dpkit plan's default reserve
+        # for the CUDA context, NCCL and allocator slack, which that peak does not count.
+        budget = torch.cuda.get_device_properties(0).total_memory - PlanInputs.reserve
     if budget is not None and budget < GIB // 1024:
         raise UsageError(f"--memory-budget={budget} bytes: under 1 MiB per rank")
     threads = config.threads_per_process or max(1, usable_cores() // nproc)

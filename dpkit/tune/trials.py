@@ -229,7 +229,11 @@ def run_trial(
         trial.figures = read_figures(settings, candidate, step.run_dir)
         trial.status = OK
     except launch.BenchError as err:
-        trial.status, trial.reason = FAILED, _first_error(str(err).removeprefix(f"{step.name}: "))
+        # The launcher is the bench's: its timeout flag is the tune's --trial-timeout.
+        message = (
+            str(err).removeprefix(f"{step.name}: ").replace("--launch-timeout", "--trial-timeout")
+        )
+        trial.status, trial.reason = FAILED, _first_error(message)
     except (OSError, ValueError, KeyError) as err:
         trial.status, trial.reason = FAILED, f"its files: {err}"
     save(settings, trial)
