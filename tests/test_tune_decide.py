@@ -5,6 +5,7 @@ The launches (the figures these choices are made on) are in tests/test_tune.py.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -134,3 +135,57 @@ def test_flag_values_parse_or_name_the_flag():
         _seconds("soon", "--time-budget")
     with pytest.raises(UsageError, match="--micro-batch-sizes='0'"):
         _sizes("0", "--micro-batch-sizes")
+
+
+def test_a_trial_is_reused_only_by_a_tune_that_would_run_it_the_same_way(tmp_path):
+    from dataclasses import replace
+
+    from dpkit.tune import trials as tune_trials
+
+    settings = replace(_settings(recipe_args=("--size", "tiny")), output_dir=tmp_path)
+    candidate = space.Candidate("zero2", 2, 2)
+    done = Trial(candidate, status=OK, figures={"median_step_time_s": 1.0}, wall_s=20.0)
+    tune_trials.save(settings, done)
+    again = tune_trials.load_previous(settings, candidate)
+    assert again.reused and again.status == OK and again.figures == done.figures
+    # Other recipe arguments, more steps, another candidate: launched again.
+    other_args = replace(settings, config=TuneConfig(recipe_args=("--size", "small")))
+    more_steps = replace(settings, config=TuneConfig(recipe_args=("--size", "tiny"), steps=8))
+    assert tune_trials.load_previous(other_args, candidate) is None
+    assert tune_trials.load_previous(more_steps, candidate) is None
+    assert tune_trials.load_previous(settings, space.Candidate("zero2", 1, 4)) is None
+    # A failed trial is reused unless --retry-failed.
+    tune_trials.save(settings, Trial(candidate, status=FAILED, reason="exit code 1"))
+    assert tune_trials.load_previous(settings, candidate).status == FAILED
+    retry = replace(settings, config=TuneConfig(recipe_args=("--size", "tiny"), retry_failed=True))
+    assert tune_trials.load_previous(retry, candidate) is None
+
+
+def test_a_script_without_the_flags_the_tune_sets_is_refused(tmp_path):
+    from dpkit.tune.config import read_recipe
+
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import argparse\n"
+        "p = argparse.ArgumentParser()\n"
+        "p.add_argument('--micro-batch-size', type=int, default=8)\n"
+        "p.add_argument('--max-steps', type=int)\n"
+        "p.parse_args()\n"
+    )
+    with pytest.raises(UsageError, match="has no --gradient-accumulation-steps, --output-dir"):
+        read_recipe(script, dict(os.environ))
+    script.write_text(
+        script.read_text().replace(
+            "p.parse_args()",
+            "p.add_argument('--gradient_accumulation_steps', type=int)\n"
+            "p.add_argument('--output-dir')\n"
+            "p.add_argument('--no-save-model', action='store_true')\n"
+            "p.parse_args()",
+        )
+    )
+    recipe = read_recipe(script, dict(os.environ))
+    assert recipe.default_micro_batch is None  # argparse prints no default without %(default)
+    assert recipe.extra_args() == ["--no-save-model"]
+    script.write_text("raise SystemExit('broken: no parser')\n")
+    with pytest.raises(UsageError, match="--help failed: broken: no parser"):
+        read_recipe(script, dict(os.environ))
