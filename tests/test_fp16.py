@@ -205,7 +205,10 @@ def test_no_loss_scaling_adds_nothing(accelerator, tmp_path, caplog):
         for step, _ in enumerate(_train(accelerator, model, optimizer, [False, False]), 1):
             log.step({"step": step, "loss": 0.5})
         log.close()
-    assert [sorted(r) for r in read_jsonl(tmp_path / "train_log.jsonl")] == [["loss", "step"]] * 2
+    # The record as given, with the step figures every record gets; no loss-scale fields.
+    timing = ["samples_per_rank", "step_cpu_s", "step_time_s", "tokens_per_rank"]
+    expected = sorted(["loss", "step", *timing])
+    assert [sorted(r) for r in read_jsonl(tmp_path / "train_log.jsonl")] == [expected] * 2
     assert not [r for r in caplog.records if "skipped" in r.getMessage()]
     summary = json.loads((tmp_path / "train_summary.json").read_text())
     assert summary == {"last_step": 2, "skipped_steps": 0, "loss_scale": None}
