@@ -7,7 +7,7 @@ STRATEGY ?= ddp
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpkit-installed
 
-.PHONY: setup finetune test test-fast lint format bench-zero tune gpu-check clean
+.PHONY: setup finetune test test-fast lint format bench-zero bench-trainer tune gpu-check clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,11 @@ BENCH_CPU_ARGS := --nproc 4 --steps 4 --warmup 1
 # memory per rank, throughput, loss equivalence -> bench_results/latest/{results.json,results.md,chart.png}
 bench-zero: setup
 	$(VENV)/bin/dpkit bench $$($(PY) -c "import torch; print('' if torch.cuda.is_available() else '$(BENCH_CPU_ARGS)')") --output-dir bench_results/latest
+
+# dpkit's fine-tuning recipe against the plain Transformers Trainer, same job, DDP and
+# ZeRO-2, 3 interleaved repeats (about 11 minutes on 2 CPU cores; docs/bench.md)
+bench-trainer: setup
+	$(VENV)/bin/dpkit bench --workload classification --output-dir bench_results/trainer
 
 # The fastest strategy x micro-batch x ZeRO buckets at a fixed global batch, measured
 # (train_lm.py; under 10 minutes on 2 CPU cores) -> tune_results/latest (docs/tune.md)

@@ -82,6 +82,7 @@ _EXPORTS: dict[str, str] = {
     "load_model_config": "dpkit.models",
     "resolve_model_path": "dpkit.models",
     "load_tokenizer": "dpkit.models",
+    "classifier_labels": "dpkit.models",
     "adamw_param_groups": "dpkit.models",
     "max_positions": "dpkit.models",
     # data

@@ -92,6 +92,18 @@ def load_tokenizer(path: str, model: str, config: Any = None) -> Any:
     return tokenizer
 
 
+def classifier_labels(label_names: list[str], tokenizer: Any) -> dict[str, Any]:
+    """``from_pretrained`` keywords of a sequence classifier for these labels: their
+    count and both name maps (the exported model's config then names its classes), and
+    the tokenizer's pad id (a decoder-only model finds the last real token by it)."""
+    return {
+        "num_labels": len(label_names),
+        "id2label": dict(enumerate(label_names)),
+        "label2id": {name: i for i, name in enumerate(label_names)},
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__

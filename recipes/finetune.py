@@ -80,10 +80,7 @@ def main() -> None:
     set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
     model = AutoModelForSequenceClassification.from_pretrained(
         resume.path if resume else model_path,
-        num_labels=len(label_names),
-        id2label=dict(enumerate(label_names)),
-        label2id={name: i for i, name in enumerate(label_names)},
-        pad_token_id=tokenizer.pad_token_id,
+        **dpkit.classifier_labels(label_names, tokenizer),
         **model_cfg.dropout_overrides(hf_config),
     )
     # The strategy, from the flags and the launcher; ZeRO's buckets sized to the model.
@@ -137,7 +134,7 @@ def main() -> None:
         return result
 
     # Train. From here on SIGTERM/SIGINT finish the step, save and exit (dpkit.StepGuard).
-    memory = run.track_memory(model, optimizer)
+    memory = run.track_memory(model, optimizer, probe_steps=train_cfg.memory_probe_steps)
     guard = dpkit.StepGuard(accelerator)
     # The log counts skipped (fp16 overflow) steps into `position`, so checkpoints keep the count.
     log = dpkit.TrainingLog(accelerator, output, total_steps=schedule.total_steps,
@@ -173,6 +170,7 @@ def main() -> None:
             record = {"step": step, "epoch": epoch, "loss": status.loss, "lr": step_lr}
             log.step(record if grad_norm is None else {**record, "grad_norm": float(grad_norm)})
             status.raise_if_non_finite(step, checkpoints.last)  # all ranks stop, none saves
+            memory.step_done(step)
             if due(step, train_cfg.memory_report_steps):
                 memory.log_report(step)
             if due(step, train_cfg.eval_steps):

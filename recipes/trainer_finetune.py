@@ -117,10 +117,7 @@ def main() -> None:
     transformers.set_seed(training["seed"])
     model = AutoModelForSequenceClassification.from_pretrained(
         model_path,
-        num_labels=len(label_names),
-        id2label=dict(enumerate(label_names)),
-        label2id={name: i for i, name in enumerate(label_names)},
-        pad_token_id=tokenizer.pad_token_id,
+        **dpkit.classifier_labels(label_names, tokenizer),
     )
 
     # The two dpkit lines for a Trainer: ZeRO's buckets sized to the model (the config

@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
-from dpkit.bench.launch import bare_run_name
+from dpkit.bench.launch import bare_run_name, repeat_name, trainer_run_name
 from dpkit.bench.markdown import MIB
 from dpkit.bench.results import REFERENCE, result_strategies
 from dpkit.memory.categories import CATEGORIES
+
+
+def _median_rate(runs: dict[str, Any], name: str, repeats: int) -> float:
+    """Tokens/s of run ``name``, the median over its repeats."""
+    rates = [
+        runs[repeat_name(name, r)]["tokens_per_s"]
+        for r in range(1, repeats + 1)
+        if repeat_name(name, r) in runs
+    ]
+    return statistics.median(rates)
 
 
 def write_chart(results: dict[str, Any], path: Path) -> None:
@@ -66,24 +77,43 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
     mem_ax.legend(fontsize=8, loc="upper center", ncol=3)
 
     width = 0.38
-    series = [("dpkit", [runs[n] for n in names], "#4c72b0", -width / 2)]
-    bare = [runs.get(bare_run_name(s)) for s in strategies]
-    if all(b is not None for b in bare):
-        series.append(("bare (torchrun / deepspeed)", bare, "#aaaaaa", width / 2))
+    repeats = results["settings"].get("repeats", 1)
+    series = [("dpkit", names, "#4c72b0", -width / 2)]
+    baseline = None
+    if all(trainer_run_name(s) in runs for s in strategies):
+        baseline = "trainer"
+        series.append(("plain Trainer (torchrun)", [trainer_run_name(s) for s in strategies],
+                       "#aaaaaa", width / 2))  # fmt: skip
+    elif all(bare_run_name(s) in runs for s in strategies):
+        baseline = "bare"
+        series.append(("bare (torchrun / deepspeed)", [bare_run_name(s) for s in strategies],
+                       "#aaaaaa", width / 2))  # fmt: skip
     top = 0.0
-    for label, series_runs, color, offset in series:
-        rates = [r["tokens_per_s"] for r in series_runs]
+    for label, series_names, color, offset in series:
+        rates = [_median_rate(runs, name, repeats) for name in series_names]
         xs = [x + offset for x in positions]
         speed_ax.bar(xs, rates, width, label=label, color=color)
         for x, rate in zip(xs, rates, strict=True):
             speed_ax.annotate(f"{rate:,.0f}", (x, rate), ha="center", va="bottom", fontsize=9)
         top = max(top, *rates)
+    if baseline is not None:
+        # The ratio the checks read: the median over the repeats of each pair's step times.
+        for x, name in zip(positions, names, strict=True):
+            ratio = comparison[name].get(f"dpkit_over_{baseline}_step_time")
+            if ratio is not None:
+                speed_ax.annotate(
+                    f"dpkit/{'Trainer' if baseline == 'trainer' else 'bare'} step {ratio:.2f}x",
+                    (x, top * 1.12), ha="center", fontsize=9, fontweight="bold",
+                )  # fmt: skip
     speed_ax.set_xticks(positions, labels)
-    speed_ax.set_ylabel(f"tokens/s, all {results['settings']['nproc']} ranks (median step)")
+    per_repeat = f", median of {repeats} repeats" if repeats > 1 else ""
+    speed_ax.set_ylabel(
+        f"tokens/s, all {results['settings']['nproc']} ranks (median step{per_repeat})"
+    )
     speed_ax.set_title(
         f"Throughput ({results['machine']['cpu_model'] if not results['machine']['gpus'] else results['machine']['gpus'][0]})"
     )
-    speed_ax.set_ylim(0, top * 1.25)
+    speed_ax.set_ylim(0, top * 1.3)
     speed_ax.legend(fontsize=8, loc="upper center", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

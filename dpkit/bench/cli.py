@@ -4,9 +4,13 @@
     dpkit bench --nproc 4 --synthetic --output-dir bench_results/cpu4
     dpkit bench --size gpt2-medium --strategies zero1,zero2   # GPUs: all of them by default
     dpkit bench --zero-override overlap_comm=true --zero-override reduce_bucket_size=5e8
+    dpkit bench --workload classification        # dpkit against the plain Trainer, 3 repeats
 
 Runs, one after another at N processes, dpkit's recipe for each strategy and its
-bare twin, then the collectives phase (:mod:`dpkit.bench.launch`); reads each run's
+baseline: on the LM workload the bare twin (a plain torch DDP or DeepSpeed loop), then
+the compute floor and the collectives phase; on the classification workload the plain
+Transformers ``Trainer`` on the same job (:mod:`dpkit.bench.trainer_baseline`), dpkit
+and baseline interleaved ``--repeats`` times (:mod:`dpkit.bench.launch`); reads each run's
 own files and compares them (:mod:`dpkit.bench.results`); writes ``results.json``
 (every raw number, the machine, the versions), ``results.md`` (the tables, also
 printed; :mod:`dpkit.bench.markdown`) and ``chart.png`` (:mod:`dpkit.bench.chart`).
@@ -33,12 +37,35 @@ DEFAULT_CPU_PROCS = 2
 # fp16 is left out: its bare twins would need loss scaling of their own (a GradScaler,
 # DeepSpeed's fp16 section), and the bench compares like with like.
 BENCH_PRECISIONS = ("no", "bf16")
+WORKLOADS = ("lm", "classification")
+# The classification workload is the issue's side-by-side job: MiniLM, micro-batch 32,
+# max length 128, DDP and ZeRO-2 against the Trainer; 3 interleaved repeats because
+# four identical 40-step runs on this machine spread from 76 to 90 s.
+CLASSIFICATION_STRATEGIES = "ddp,zero2"
+CLASSIFICATION_REPEATS = 3
+CLASSIFICATION_MICRO_BATCH = 32
+CLASSIFICATION_SEQ_LEN = 128
 OUTPUTS = ("results.json", "results.md", "chart.png")
 """What a bench writes into its output folder (a stale one is removed first)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``dpkit bench``."""
+    parser.add_argument(
+        "--workload",
+        default="lm",
+        choices=WORKLOADS,
+        help="lm: train_lm.py against bare torch/DeepSpeed loops; classification: "
+        "finetune.py (MiniLM, Rotten Tomatoes) against the plain Transformers Trainer",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="dpkit and its baseline run this many times, interleaved; the ratios are "
+        f"medians over the repeats (default: 1 for lm, {CLASSIFICATION_REPEATS} for "
+        "classification)",
+    )
     parser.add_argument(
         "--nproc",
         type=int,
@@ -72,8 +99,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--micro-batch-size", type=int, default=None, help="sequences per process per step"
     )
     names = ",".join(s.name for s in RUNNABLE)
-    parser.add_argument("--strategies", default=names, help=f"comma-separated: {names}")
-    parser.add_argument("--no-bare", action="store_true", help="skip the bare baselines")
+    parser.add_argument(
+        "--strategies",
+        default=None,
+        help=f"comma-separated: {names} (default: all for lm, "
+        f"{CLASSIFICATION_STRATEGIES} for classification)",
+    )
+    parser.add_argument(
+        "--no-bare",
+        action="store_true",
+        help="skip the baselines (the bare loops, or the Trainer) and the compute floor",
+    )
     parser.add_argument(
         "--zero-override",
         action="append",
@@ -133,17 +169,44 @@ def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
     from dpkit.data.lm import MODEL_SIZES
 
     on_gpu = gpu_count > 0
+    classification = args.workload == "classification"
+    if classification:
+        # The classification job is the recipe's model and data; the LM's model flags
+        # would be ignored, so they are refused.
+        for flag, value in (
+            ("--size", args.size),
+            ("--model-config", args.model_config),
+            ("--synthetic", args.synthetic or None),
+        ):
+            if value is not None:
+                raise UsageError(
+                    f"{flag}={value!r}: the classification workload runs MiniLM on Rotten "
+                    "Tomatoes; model flags are for --workload lm"
+                )
+    repeats = args.repeats
+    if repeats is None:
+        repeats = CLASSIFICATION_REPEATS if classification else 1
+    if repeats < 1:
+        raise UsageError(f"--repeats={repeats}: must be >= 1")
     nproc = args.nproc if args.nproc is not None else (gpu_count or DEFAULT_CPU_PROCS)
     if nproc < 1:
         raise UsageError(f"--nproc={nproc}: must be >= 1")
     if on_gpu and nproc > gpu_count:
         raise UsageError(f"--nproc={nproc}: this machine has {gpu_count} GPUs")
-    size = args.size or (None if args.model_config else ("gpt2" if on_gpu else "small"))
+    size = (
+        None
+        if classification or args.model_config
+        else (args.size or ("gpt2" if on_gpu else "small"))
+    )
     if size is not None and size not in MODEL_SIZES:
         raise UsageError(f"--size={size!r}: one of {', '.join(MODEL_SIZES)}")
     if args.model_config is not None and not Path(args.model_config).is_file():
         raise UsageError(f"--model-config={args.model_config!r}: no such file")
-    strategies = _parse_strategies(args.strategies)
+    strategies = _parse_strategies(
+        args.strategies
+        if args.strategies is not None
+        else (CLASSIFICATION_STRATEGIES if classification else ",".join(s.name for s in RUNNABLE))
+    )
     if args.steps < 1:
         raise UsageError(f"--steps={args.steps}: must be >= 1")
     # The memory probes walk the tensors during step 1; that step must not be timed.
@@ -156,9 +219,13 @@ def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
         threads = max(1, usable_cores() // nproc)
     if threads < 1:
         raise UsageError(f"--threads-per-process={threads}: must be >= 1")
-    seq_len = args.seq_len if args.seq_len is not None else (1024 if on_gpu else 128)
+    if classification:
+        default_seq_len, default_micro_batch = CLASSIFICATION_SEQ_LEN, CLASSIFICATION_MICRO_BATCH
+    else:
+        default_seq_len, default_micro_batch = (1024, 8) if on_gpu else (128, 4)
+    seq_len = args.seq_len if args.seq_len is not None else default_seq_len
     micro_batch_size = (
-        args.micro_batch_size if args.micro_batch_size is not None else (8 if on_gpu else 4)
+        args.micro_batch_size if args.micro_batch_size is not None else default_micro_batch
     )
     if seq_len < 1 or micro_batch_size < 1:
         raise UsageError(f"--seq-len={seq_len} --micro-batch-size={micro_batch_size}: must be >= 1")
@@ -167,6 +234,8 @@ def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
             f"--seq-len={seq_len}: over {size}'s {MODEL_SIZES[size]['n_positions']} positions"
         )
     return {
+        "workload": args.workload,
+        "repeats": repeats,
         "nproc": nproc,
         "device": "cuda" if on_gpu else "cpu",
         "size": size,

@@ -1,12 +1,21 @@
 """The launches of ``dpkit bench``: what each phase runs, under which launcher, and running it.
 
-At N processes, strategy by strategy: ``train_lm.py`` (dpkit's recipe, found with
-:func:`dpkit.resources.recipe`) under ``accelerate launch`` with dpkit's accelerate
-YAML for the strategy, then its bare twin (:mod:`dpkit.bench.bare_ddp` under
-``torchrun``, :mod:`dpkit.bench.bare_deepspeed` under ``deepspeed``); then (N > 1)
-:mod:`dpkit.bench.collectives` under ``torchrun``. Every launch gets its own session,
-a free port and a hard timeout; a launch that fails raises :class:`BenchError` with
-the tail of its output.
+The LM workload, at N processes, strategy by strategy: ``train_lm.py`` (dpkit's
+recipe, found with :func:`dpkit.resources.recipe`) under ``accelerate launch`` with
+dpkit's accelerate YAML for the strategy, then its bare twin (:mod:`dpkit.bench.bare_ddp`
+under ``torchrun``, :mod:`dpkit.bench.bare_deepspeed` under ``deepspeed``); then (N > 1)
+the compute floor and :mod:`dpkit.bench.collectives` under ``torchrun``.
+
+The classification workload, strategy by strategy: ``finetune.py --strategy S`` and the
+plain Trainer (:mod:`dpkit.bench.trainer_baseline`), both under ``torchrun``; then the
+floor (``finetune.py`` at one process).
+
+With ``--repeats R`` each dpkit run and its baseline run R times, interleaved (dpkit,
+baseline, dpkit, ...): the ratio of each pair is taken under the same load of the
+machine. Every launch gets its own session, a free port and a hard timeout; a launch
+that fails, or whose ``run_info.json`` shows another strategy or world size than
+launched (ranks training unconnected copies), raises :class:`BenchError` with the tail
+of its output.
 
 The bench's own scripts are launched as modules (``-m dpkit.bench.bare_ddp``): as a
 file, its folder would come first on ``sys.path`` and ``dpkit/bench/markdown.py`` would
@@ -29,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dpkit import resources
+from dpkit.bench.trainer_baseline import TRAINER_RUN_PREFIX
 from dpkit.strategy import Strategy, get_strategy
 
 # The folder holding the dpkit package (a checkout or site-packages): launched
@@ -47,6 +57,8 @@ RENDEZVOUS_VARS = (
     "MASTER_PORT",
 )
 """The torch.distributed rendezvous a launcher sets for its children."""
+CLASSIFICATION_EVAL_SAMPLES = 64
+"""Validation examples a classification run evaluates after its timed steps: kept short."""
 FLOOR_RUN = "floor"
 """The run name of the compute floor (:func:`floor_phase`), a key of results.json's ``runs``."""
 COLLECTIVES_FILE = "collectives.json"
@@ -79,6 +91,8 @@ class Phase:
     """A training run (logs steps); False for the collectives phase (collectives.json)."""
     nproc: int | None = None
     """Its processes, where not the bench's (the compute floor runs one)."""
+    repeat: int = 1
+    """Which repeat of the pair (dpkit run, baseline) this is (``--repeats``)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):
@@ -89,6 +103,16 @@ def bare_run_name(strategy: str | Strategy) -> str:
     """The run name of ``strategy``'s bare twin, the run its step time is divided by:
     ``bare_ddp``, ``bare_zero1``, ``bare_zero2`` (keys of results.json's ``runs``)."""
     return f"bare_{get_strategy(strategy).name}"
+
+
+def trainer_run_name(strategy: str | Strategy) -> str:
+    """The run name of the plain Trainer on ``strategy``: ``trainer_ddp``, ``trainer_zero2``."""
+    return f"{TRAINER_RUN_PREFIX}{get_strategy(strategy).name}"
+
+
+def repeat_name(name: str, repeat: int) -> str:
+    """A run's name in repeat ``repeat``: the name itself for the first, ``ddp.r2`` after."""
+    return name if repeat == 1 else f"{name}.r{repeat}"
 
 
 # ---- what to run ----------------------------------------------------------------------------
@@ -153,9 +177,10 @@ def accelerate_config(
     return path
 
 
-def dpkit_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
+def dpkit_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -> Phase:
     """dpkit's recipe for ``strategy`` under ``accelerate launch``."""
-    run_dir = out / "runs" / strategy.name
+    name = repeat_name(strategy.name, repeat)
+    run_dir = out / "runs" / name
     config = accelerate_config(strategy, settings["zero_overrides"], out)
     cmd = [
         launcher_path("accelerate"), "launch",
@@ -166,13 +191,13 @@ def dpkit_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
         "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir), "--overwrite-output-dir",
     ]  # fmt: skip
-    return Phase(strategy.name, strategy, False, "accelerate launch", cmd, run_dir)
+    return Phase(name, strategy, False, "accelerate launch", cmd, run_dir, repeat=repeat)
 
 
-def bare_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
+def bare_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -> Phase:
     """The bare twin of ``strategy``: plain torch DDP under ``torchrun``, or plain
     ``deepspeed.initialize`` at the same ZeRO stage under ``deepspeed``."""
-    name = bare_run_name(strategy)
+    name = repeat_name(bare_run_name(strategy), repeat)
     run_dir = out / "runs" / name
     nproc, port = str(settings["nproc"]), str(free_port())
     tail = [
@@ -186,12 +211,12 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path) -> Phase:
             "--module", "dpkit.bench.bare_deepspeed",
             "--zero-stage", str(strategy.zero_stage), *tail,
         ]  # fmt: skip
-        return Phase(name, strategy, True, "deepspeed", cmd, run_dir)
+        return Phase(name, strategy, True, "deepspeed", cmd, run_dir, repeat=repeat)
     cmd = [
         launcher_path("torchrun"), "--nproc_per_node", nproc, "--master_port", port,
         "--module", "dpkit.bench.bare_ddp", *tail,
     ]  # fmt: skip
-    return Phase(name, strategy, True, "torchrun", cmd, run_dir)
+    return Phase(name, strategy, True, "torchrun", cmd, run_dir, repeat=repeat)
 
 
 def floor_phase(settings: dict, out: Path) -> Phase:
@@ -223,17 +248,78 @@ def collectives_phase(settings: dict, out: Path) -> Phase:
     return Phase("collectives", None, True, "torchrun", cmd, run_dir, trains=False)
 
 
+def classification_args(settings: dict) -> list[str]:
+    """The flags both sides of the classification workload get: batch, length, steps."""
+    return [
+        "--micro-batch-size", str(settings["micro_batch_size"]),
+        "--max-seq-length", str(settings["seq_len"]),
+        "--max-eval-samples", str(CLASSIFICATION_EVAL_SAMPLES),
+        "--max-steps", str(settings["total_steps"]),
+        "--mixed-precision", settings["mixed_precision"],
+    ]  # fmt: skip
+
+
+def _torchrun(nproc: int) -> list[str]:
+    return [
+        launcher_path("torchrun"), "--nproc_per_node", str(nproc),
+        "--master_port", str(free_port()),
+    ]  # fmt: skip
+
+
+def finetune_phase(
+    strategy: Strategy, settings: dict, out: Path, repeat: int = 1, nproc: int | None = None
+) -> Phase:
+    """dpkit's ``finetune.py`` for ``strategy`` under ``torchrun`` (the Trainer's launcher)."""
+    name = FLOOR_RUN if nproc == 1 else repeat_name(strategy.name, repeat)
+    run_dir = out / "runs" / name
+    cmd = [
+        *_torchrun(nproc or settings["nproc"]),
+        str(resources.recipe("finetune.py")), "--strategy", strategy.name,
+        *classification_args(settings),
+        "--no-save-checkpoints", "--no-save-model",
+        "--output-dir", str(run_dir), "--overwrite-output-dir",
+    ]  # fmt: skip
+    bare = nproc == 1  # the floor is not one of dpkit's strategy runs
+    return Phase(name, strategy, bare, "torchrun", cmd, run_dir, nproc=nproc, repeat=repeat)
+
+
+def trainer_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -> Phase:
+    """The plain Transformers Trainer on the same job (:mod:`dpkit.bench.trainer_baseline`)."""
+    name = repeat_name(trainer_run_name(strategy), repeat)
+    run_dir = out / "runs" / name
+    cmd = [
+        *_torchrun(settings["nproc"]),
+        "--module", "dpkit.bench.trainer_baseline", "--strategy", strategy.name,
+        *classification_args(settings), "--output-dir", str(run_dir),
+    ]  # fmt: skip
+    return Phase(name, strategy, True, "torchrun", cmd, run_dir, repeat=repeat)
+
+
 def plan_phases(settings: dict, out: Path) -> list[Phase]:
-    """dpkit run then its bare twin, strategy by strategy: the two runs whose step times
-    are divided run next to each other, under the same load of the machine."""
+    """Each dpkit run then its baseline (bare twin or Trainer), ``repeats`` times,
+    strategy by strategy: the two runs whose step times are divided run next to each
+    other, under the same load of the machine."""
+    classification = settings["workload"] == "classification"
     phases = []
     for strategy in map(get_strategy, settings["strategies"]):
-        phases.append(dpkit_phase(strategy, settings, out))
-        if settings["bare"]:
-            phases.append(bare_phase(strategy, settings, out))
-    if settings["nproc"] > 1:
-        if settings["bare"]:
-            phases.append(floor_phase(settings, out))
+        for repeat in range(1, settings["repeats"] + 1):
+            if classification:
+                phases.append(finetune_phase(strategy, settings, out, repeat))
+                if settings["bare"]:
+                    phases.append(trainer_phase(strategy, settings, out, repeat))
+                continue
+            phases.append(dpkit_phase(strategy, settings, out, repeat))
+            if settings["bare"]:
+                phases.append(bare_phase(strategy, settings, out, repeat))
+    if settings["nproc"] > 1 and settings["bare"]:
+        phases.append(
+            finetune_phase(get_strategy("ddp"), settings, out, nproc=1)
+            if classification
+            else floor_phase(settings, out)
+        )
+    if settings["nproc"] > 1 and not classification:
+        # The collectives of the LM model; the classification workload's floor and
+        # Trainer runs explain its steps.
         phases.append(collectives_phase(settings, out))
     return phases
 
@@ -272,7 +358,8 @@ def _steps_done(run_dir: Path) -> tuple[int, float | None]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             break  # a line being written
-    return len(records), (records[-1]["loss"] if records else None)
+    # The Trainer baseline logs no per-step loss (the Trainer's own cadence).
+    return len(records), (records[-1].get("loss") if records else None)
 
 
 # An exception line ("dpkit.errors.UsageError: ...") or a recipe's one-line error
@@ -365,5 +452,27 @@ def run_phase(phase: Phase, index: int, count: int, settings: dict, env: dict) -
     done, loss = _steps_done(phase.run_dir)
     if done != total:
         raise _failure(phase, f"exited 0 but logged {done} of {total} steps", log_path)
-    print(f"{label}: done, {total} steps in {wall:.0f} s (loss {loss:.4f})", file=sys.stderr)
+    _check_job(phase, nproc, log_path)
+    shown = "" if loss is None else f" (loss {loss:.4f})"
+    print(f"{label}: done, {total} steps in {wall:.0f} s{shown}", file=sys.stderr)
     return wall
+
+
+def _check_job(phase: Phase, nproc: int, log_path: Path) -> None:
+    """The run's own ``run_info.json`` (dpkit's recipes, the Trainer baseline) names the
+    strategy and world size it ran: figures of another job (unconnected copies, ZeRO
+    silently off) must not count."""
+    path = phase.run_dir / "run_info.json"
+    if not path.is_file():
+        if phase.name.startswith(TRAINER_RUN_PREFIX):
+            raise _failure(phase, "exited 0 but wrote no run_info.json", log_path)
+        return
+    info = json.loads(path.read_text())
+    ran = (info.get("strategy"), info.get("world_size"))
+    if ran != (phase.strategy.name, nproc):
+        raise _failure(
+            phase,
+            f"ran {ran[0]} over {ran[1]} processes, launched as {phase.strategy.name} over "
+            f"{nproc}: not the job to compare",
+            log_path,
+        )

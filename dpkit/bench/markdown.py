@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dpkit.bench.launch import FLOOR_RUN
+from dpkit.bench.launch import FLOOR_RUN, trainer_run_name
 from dpkit.bench.results import REFERENCE, max_relative_deviation, result_strategies
 from dpkit.memory.categories import MODEL_STATES
 from dpkit.strategy import get_strategy
@@ -45,9 +45,40 @@ def _deviation(value: float | None, of_reference: bool) -> str:
     return "-" if value is None or of_reference else f"{value:.1e}"
 
 
+def _classification(results: dict[str, Any]) -> bool:
+    return results["settings"].get("workload") == "classification"
+
+
+def _baseline_label(results: dict[str, Any]) -> str:
+    """``trainer`` or ``bare``: the key part of the comparison's ``dpkit_over_*`` figures."""
+    return "trainer" if _classification(results) else "bare"
+
+
+def _workload_line(results: dict[str, Any]) -> str:
+    settings = results["settings"]
+    repeats = settings.get("repeats", 1)
+    timing = (
+        f"{settings['warmup_steps']} warm-up + {settings['timed_steps']} timed steps (median)"
+        + (f", dpkit and baseline interleaved {repeats} times" if repeats > 1 else "")
+    )
+    if _classification(results):
+        return (
+            "Workload: recipes/finetune.py against the plain Transformers Trainer "
+            "(dpkit.bench.trainer_baseline), both under torchrun: MiniLM on the embedded "
+            f"Rotten Tomatoes, micro-batch {settings['micro_batch_size']} per rank, dynamic "
+            f"padding up to {settings['seq_len']} tokens, {results['precision']}, dpkit's "
+            f"fine-tuning defaults on both sides; {timing}."
+        )
+    return (
+        f"Workload: {'synthetic tokens' if settings['synthetic'] else 'Shakespeare bytes'}, "
+        f"micro-batch {settings['micro_batch_size']} x {settings['seq_len']} tokens per rank, "
+        f"{results['precision']}, torch AdamW (fused), {timing}."
+    )
+
+
 def _header(results: dict[str, Any]) -> list[str]:
     settings, machine = results["settings"], results["machine"]
-    model = settings["model_config"] or settings["size"]
+    model = settings["model_config"] or settings["size"] or "MiniLM (classification)"
     versions = ", ".join(f"{k} {v}" for k, v in machine["versions"].items() if v)
     device = ", ".join(machine["gpus"]) if machine["gpus"] else f"{machine['cpu_model']} CPU"
     load = ", ".join(f"{x:.1f}" for x in machine["load_average_at_start"] or [])
@@ -58,10 +89,7 @@ def _header(results: dict[str, Any]) -> list[str]:
         f"`{results['command']}`, {results['bench_wall_s'] / 60:.1f} min in all.",
         f"Machine: {device}, {machine['cpu_cores_usable']} cores usable, load average "
         f"{load} at start; OMP_NUM_THREADS={machine['omp_num_threads'] or 'unset'}. {versions}.",
-        f"Workload: {'synthetic tokens' if settings['synthetic'] else 'Shakespeare bytes'}, "
-        f"micro-batch {settings['micro_batch_size']} x {settings['seq_len']} tokens per rank, "
-        f"{results['precision']}, torch AdamW (fused), {settings['warmup_steps']} warm-up + "
-        f"{settings['timed_steps']} timed steps (median).",
+        _workload_line(results),
     ]
 
 
@@ -69,6 +97,8 @@ def _strategy_table(results: dict[str, Any]) -> list[str]:
     """Memory per rank, savings, throughput and losses: one row per dpkit strategy."""
     runs, comparison = results["runs"], results["comparison"]
     first = runs[results["strategies"][0]]
+    label = _baseline_label(results)
+    baseline = "Trainer" if label == "trainer" else "bare"
     lines = [
         "",
         "Memory per rank in MiB (the rank holding the most), measured by dpkit.memory; "
@@ -80,7 +110,7 @@ def _strategy_table(results: dict[str, Any]) -> list[str]:
         "",
         "| strategy | params | grads | optimizer | master | states | buffers | total | paper "
         f"| plan | peak ({first['memory']['peak_kind']}) | saved vs DDP, measured "
-        "| saved vs DDP, paper | tokens/s | vs DDP | dpkit/bare step | loss dev. vs DDP |",
+        f"| saved vs DDP, paper | tokens/s | vs DDP | dpkit/{baseline} step | loss dev. vs DDP |",
         "|---|" + "---:|" * 16,
     ]
     for strategy in result_strategies(results):
@@ -99,7 +129,9 @@ def _strategy_table(results: dict[str, Any]) -> list[str]:
             _saved(row["saved_vs_ddp_predicted"], row["ratio_vs_ddp_predicted"]),
             f"{run['tokens_per_s']:,.0f}",
             _with_cpu(row.get("throughput_vs_ddp"), row.get("throughput_vs_ddp_cpu")),
-            _with_cpu(row.get("dpkit_over_bare_step_time"), row.get("dpkit_over_bare_step_cpu")),
+            _with_cpu(
+                row.get(f"dpkit_over_{label}_step_time"), row.get(f"dpkit_over_{label}_step_cpu")
+            ),
             _deviation(row.get("loss_max_rel_dev_vs_ddp"), strategy == REFERENCE),
         ]
         lines.append("| " + " | ".join(cells) + " |")
@@ -148,10 +180,10 @@ def _run_table(results: dict[str, Any]) -> list[str]:
     reference = runs.get(REFERENCE.name)
     floor = runs.get(FLOOR_RUN)
     for name, run in runs.items():
-        # The floor is one rank on its own data: no loss to compare with DDP's mean.
+        # The floor is one rank on its own data, the Trainer logs no per-step loss.
         dev = (
             max_relative_deviation(run["losses"], reference["losses"])
-            if reference and name != FLOOR_RUN
+            if reference and name != FLOOR_RUN and run["losses"]
             else None
         )
         efficiency = (
@@ -223,6 +255,38 @@ def _collectives_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def _trainer_lines(results: dict[str, Any]) -> list[str]:
+    """dpkit against the plain Trainer: every repeat's ratio, and what the Trainer chose."""
+    if not _classification(results):
+        return []
+    runs, lines = results["runs"], []
+    for strategy in result_strategies(results):
+        row = results["comparison"][strategy.name]
+        ratios = row.get("dpkit_over_trainer_step_time_repeats") or []
+        if not ratios:
+            continue
+        cpu = row.get("dpkit_over_trainer_step_cpu_repeats") or []
+        info = runs[trainer_run_name(strategy)].get("run_info", {})
+        chose = []
+        if "ddp_find_unused_parameters" in info:
+            chose.append(f"DDP find_unused_parameters={info['ddp_find_unused_parameters']}")
+        zero = info.get("zero_optimization")
+        if zero:
+            chose.append(f"reduce_bucket_size={zero.get('reduce_bucket_size')}")
+        lines += [
+            "",
+            f"{strategy.label}, dpkit/Trainer step time per repeat: "
+            + ", ".join(f"{r:.3f}" for r in ratios)
+            + f" (median {row['dpkit_over_trainer_step_time']:.3f}); CPU time: "
+            + ", ".join(f"{r:.3f}" for r in cpu)
+            + f". The Trainer ran {info.get('strategy')} over {info.get('world_size')} "
+            f"processes ({info.get('wrapper')})"
+            + (f"; its choices: {', '.join(chose)}" if chose else "")
+            + ".",
+        ]
+    return lines
+
+
 def _check_lines(results: dict[str, Any]) -> list[str]:
     if not results["checks"]:
         return []
@@ -255,8 +319,12 @@ def _zero_settings_lines(results: dict[str, Any]) -> list[str]:
         + (f" (with --zero-override {overrides})" if overrides else "")
         + ": "
         + "; ".join(parts)
-        + ". Bare runs: DeepSpeed's defaults (buckets 5e8 elements, contiguous_gradients "
-        "true, overlap_comm false, reduce_scatter true).",
+        + (
+            ". The Trainer's: its ZeRO JSON as written, 'auto' filled by the Trainer."
+            if _classification(results)
+            else ". Bare runs: DeepSpeed's defaults (buckets 5e8 elements, contiguous_gradients "
+            "true, overlap_comm false, reduce_scatter true)."
+        ),
     ]
 
 
@@ -268,6 +336,7 @@ def format_markdown(results: dict[str, Any]) -> str:
             *_strategy_table(results),
             *_gradient_lines(results),
             *_run_table(results),
+            *_trainer_lines(results),
             *_collectives_lines(results),
             *_check_lines(results),
             *_zero_settings_lines(results),

@@ -307,9 +307,10 @@ class StepProbes:
         """Whether the probes are still in place (each step pays for their walks)."""
         return bool(self._removers)
 
-    def remove(self) -> None:
+    def remove(self, keep_activations: bool = False) -> None:
+        """Take the walks out of the step (and the activation count, unless kept)."""
         for remover in reversed(self._removers):
             remover()
         self._removers.clear()
-        if self.activations is not None:
+        if self.activations is not None and not keep_activations:
             self.activations.remove()

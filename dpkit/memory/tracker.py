@@ -213,6 +213,7 @@ class MemoryTracker:
         self.optimizer_name = optimizer_name
         self.offload_optimizer = offload_optimizer
         self.probe_steps = probe_steps
+        self._steps_seen = 0
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
         self.probes = (
             StepProbes(model, optimizer, count_activations=count_activations)
@@ -226,10 +227,18 @@ class MemoryTracker:
             )
 
     def step_done(self, step: int) -> None:
-        """Call after each optimizer step: after ``probe_steps`` steps the probes are
-        removed (their high-waters kept), so later steps run, and are timed, without them."""
-        if self.probes is not None and self.probe_steps > 0 and step == self.probe_steps:
-            self.probes.remove()
+        """Call after each optimizer step: after ``probe_steps`` steps of this process
+        (``step`` is the run's count; a resumed run starts past 1) the walks are removed,
+        their high-waters kept, so later steps run, and are timed, without them. The
+        activation count (a saved-tensor hook, a few ms a step) stays: batches of
+        another length (dynamic padding) save more or less for backward."""
+        self._steps_seen += 1
+        if (
+            self.probes is not None
+            and self.probe_steps > 0
+            and self._steps_seen == self.probe_steps
+        ):
+            self.probes.remove(keep_activations=True)
 
     def stop(self) -> None:
         """Remove the probes now (their high-waters are kept for the report)."""

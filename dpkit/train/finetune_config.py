@@ -199,6 +199,18 @@ class TrainConfig:
         metadata={"help": "Also print the memory report every N steps (0 = at end only)."},
     )
     """Cadence of intermediate memory reports; the final report is always written."""
+    memory_probe_steps: int = field(
+        default=1,
+        metadata={
+            "help": "Walk the tensors inside the first N optimizer steps only (-1: every "
+            "step, 0: never)."
+        },
+    )
+    """The memory probes (``dpkit.MemoryTracker``) walk each rank's tensors where its
+    strategy holds gradients during the first N optimizer steps, then come off with their
+    high-waters kept: model states are the same every step, and the walks cost 10 ms a
+    step under DDP and 50 ms under ZeRO-2 (MiniLM, 2 CPU processes). -1 walks every step;
+    0 installs none (gradients freed before the final report are then not counted)."""
     eval_only: bool = field(
         default=False, metadata={"help": "Skip training: evaluate the model as loaded."}
     )
@@ -274,6 +286,12 @@ class TrainConfig:
             "memory_report_steps",
             self.memory_report_steps,
             "must be >= 0",
+        )
+        check_field(
+            self.memory_probe_steps >= -1,
+            "memory_probe_steps",
+            self.memory_probe_steps,
+            "must be >= -1",
         )
         self._check_output_dir()
 

@@ -1,0 +1,208 @@
+"""``dpkit bench --workload classification``: dpkit's fine-tuning recipe against the plain Trainer.
+
+One real bench (DDP and ZeRO-2, dpkit and the Trainer, 2 processes each, then the
+one-process floor) is checked for what must hold by construction: every run is the
+2-process job it was launched as (the run's own ``run_info.json``), the Trainer filled
+its ZeRO buckets its own way (hidden_size^2) while dpkit used its floor, and every
+dpkit/Trainer ratio is the one recomputed from the runs' own step logs. The rest runs
+in process: phase order and names, repeats and their medians, refusals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import pytest
+
+from dpkit.bench import cli as bench_cli
+from dpkit.bench import launch as bench
+from dpkit.bench import markdown as bench_markdown
+from dpkit.bench import results as bench_results
+from dpkit.errors import UsageError
+from dpkit.memory.settings import MIN_BUCKET_ELEMENTS
+from tests.harness import BIN, run
+
+# MiniLM's hidden size: the Trainer's "auto" reduce_bucket_size is its square.
+MINILM_HIDDEN = 384
+WARMUP, STEPS = 1, 2
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench_cli.add_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def _settings(*argv: str) -> dict:
+    return bench_cli.resolve_settings(_args("--workload", "classification", *argv), gpu_count=0)
+
+
+# ---- in process ------------------------------------------------------------------------------
+
+
+def test_classification_defaults_are_the_issue_job():
+    settings = _settings()
+    assert settings["strategies"] == ["ddp", "zero2"]
+    assert settings["repeats"] == 3
+    assert (settings["micro_batch_size"], settings["seq_len"]) == (32, 128)
+    assert settings["size"] is None
+    # The LM workload keeps its own defaults.
+    lm = bench_cli.resolve_settings(_args(), gpu_count=0)
+    assert (lm["workload"], lm["repeats"], lm["micro_batch_size"]) == ("lm", 1, 4)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--size", "tiny"], "--size='tiny': the classification workload"),
+        (["--model-config", "c.json"], "--model-config='c.json'"),
+        (["--synthetic"], "--synthetic=True"),
+        (["--repeats", "0"], "--repeats=0: must be >= 1"),
+    ],
+)
+def test_flags_the_classification_workload_would_ignore_are_refused(argv, message):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        _settings(*argv)
+
+
+def test_dpkit_and_trainer_runs_alternate_repeat_by_repeat(tmp_path):
+    phases = bench.plan_phases(_settings("--repeats", "2"), tmp_path)
+    assert [p.name for p in phases] == [
+        "ddp", "trainer_ddp", "ddp.r2", "trainer_ddp.r2",
+        "zero2", "trainer_zero2", "zero2.r2", "trainer_zero2.r2",
+        "floor",
+    ]  # fmt: skip
+    for phase in phases:
+        assert phase.launcher == "torchrun"
+        assert phase.run_dir == tmp_path / "runs" / phase.name
+        assert str(phase.run_dir) in phase.cmd
+        assert phase.cmd[phase.cmd.index("--strategy") + 1] == phase.strategy.name
+        # The same batch, length and steps on both sides.
+        for flag, value in (("--micro-batch-size", "32"), ("--max-seq-length", "128")):
+            assert phase.cmd[phase.cmd.index(flag) + 1] == value
+    trainer = [p for p in phases if p.name.startswith("trainer_")]
+    assert all(p.bare and "dpkit.bench.trainer_baseline" in p.cmd for p in trainer)
+    floor = phases[-1]
+    assert (floor.nproc, floor.bare, floor.cmd[floor.cmd.index("--nproc_per_node") + 1]) == (
+        1,
+        True,
+        "1",
+    )
+    assert [p.name for p in bench.plan_phases(_settings("--no-bare"), tmp_path)] == [
+        "ddp", "ddp.r2", "ddp.r3", "zero2", "zero2.r2", "zero2.r3",
+    ]  # fmt: skip
+
+
+def test_ratios_are_medians_over_the_repeats_each_pair_divided():
+    step = {"ddp": 2.0, "trainer_ddp": 2.5, "ddp.r2": 3.0, "trainer_ddp.r2": 2.0}
+    step.update({"ddp.r3": 1.0, "trainer_ddp.r3": 1.25})
+    runs = {name: {"median_step_time_s": t, "median_step_cpu_s": t / 2} for name, t in step.items()}
+    row: dict = {}
+    bench_results._against_baseline(row, runs, "ddp", "trainer_ddp", "trainer")
+    assert row["dpkit_over_trainer_step_time_repeats"] == [0.8, 1.5, 0.8]
+    # The median of the pairs' ratios, not the ratio of pooled medians (2.0 / 2.0).
+    assert row["dpkit_over_trainer_step_time"] == 0.8
+    assert row["dpkit_over_trainer_step_cpu"] == 0.8
+    found = bench_results.checks({"ddp": row, "zero2": {**row}}, 2)
+    by_strategy = {c["strategy"]: c for c in found if "Trainer" in c["check"]}
+    assert by_strategy["ddp"]["check"] == "dpkit/Trainer step time <= 0.97 (median of 3)"
+    assert by_strategy["ddp"]["ok"] and by_strategy["zero2"]["ok"]
+    row["dpkit_over_trainer_step_time"] = 0.95
+    found = bench_results.checks({"ddp": row, "zero2": row}, 2)
+    verdicts = {c["strategy"]: c["ok"] for c in found if "Trainer" in c["check"]}
+    assert verdicts == {"ddp": True, "zero2": False}
+
+
+def test_figures_of_another_job_than_launched_stop_the_bench(tmp_path):
+    """A run whose ranks trained alone says so in its run_info.json: the bench refuses its
+    figures; a Trainer run without the file is refused too."""
+    phase = bench.trainer_phase(bench.get_strategy("ddp"), _settings(), tmp_path)
+    phase.run_dir.mkdir(parents=True)
+    log = phase.run_dir / "launch.log"
+    with pytest.raises(bench.BenchError, match="exited 0 but wrote no run_info.json"):
+        bench._check_job(phase, 2, log)
+    (phase.run_dir / "run_info.json").write_text(json.dumps({"strategy": "ddp", "world_size": 1}))
+    with pytest.raises(bench.BenchError, match="ran ddp over 1 processes, launched as ddp over 2"):
+        bench._check_job(phase, 2, log)
+    (phase.run_dir / "run_info.json").write_text(json.dumps({"strategy": "ddp", "world_size": 2}))
+    bench._check_job(phase, 2, log)
+
+
+# ---- one real bench --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def classification_bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench_trainer") / "bench"
+    argv = [
+        "--workload", "classification", "--repeats", "1",
+        "--warmup", str(WARMUP), "--steps", str(STEPS),
+        "--micro-batch-size", "4", "--seq-len", "32", "--output-dir", str(out),
+    ]  # fmt: skip
+    run([str(BIN / "dpkit"), "bench", *argv], timeout=900).check()
+    return out, json.loads((out / "results.json").read_text())
+
+
+def _log(run: dict) -> list[dict]:
+    with open(f"{run['run_dir']}/train_log.jsonl") as log:
+        return [json.loads(line) for line in log]
+
+
+def test_every_run_is_the_job_it_was_launched_as(classification_bench):
+    _, results = classification_bench
+    runs = results["runs"]
+    assert set(runs) == {"ddp", "trainer_ddp", "zero2", "trainer_zero2", "floor"}
+    for name in ("trainer_ddp", "trainer_zero2", "ddp", "zero2"):
+        info = runs[name]["run_info"]
+        assert (info["strategy"], info["world_size"]) == (runs[name]["strategy"], 2), name
+    assert runs["trainer_ddp"]["run_info"]["wrapper"] == "DistributedDataParallel"
+    assert runs["trainer_zero2"]["run_info"]["wrapper"] == "DeepSpeedEngine"
+    assert runs["floor"]["nproc"] == 1
+    for name, run_ in runs.items():
+        records = _log(run_)
+        assert [r["step"] for r in records] == list(range(1, WARMUP + STEPS + 1)), name
+        assert all(r["samples_per_rank"] == 4 and r["tokens_per_rank"] > 0 for r in records)
+
+
+def test_the_trainer_fills_its_buckets_its_own_way(classification_bench):
+    """As a Trainer user gets it: "auto" becomes hidden_size^2; dpkit's floor is 2^21."""
+    _, results = classification_bench
+    trainer = results["runs"]["trainer_zero2"]["run_info"]["zero_optimization"]
+    assert trainer["reduce_bucket_size"] == MINILM_HIDDEN**2
+    dpkit_zero = results["runs"]["zero2"]["ds_config"]["zero_optimization"]
+    assert dpkit_zero["reduce_bucket_size"] == MIN_BUCKET_ELEMENTS
+    # The Trainer's DDP searches for unused parameters every step (no gradient checkpointing).
+    assert results["runs"]["trainer_ddp"]["run_info"]["ddp_find_unused_parameters"] is True
+
+
+def test_ratios_come_from_the_runs_own_step_logs(classification_bench):
+    out, results = classification_bench
+    runs = results["runs"]
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in _log(runs[name]) if r["step"] > WARMUP)
+
+    for strategy in ("ddp", "zero2"):
+        row = results["comparison"][strategy]
+        for key, figure in (("step_time_s", "step_time"), ("step_cpu_s", "step_cpu")):
+            expected = median(strategy, key) / median(f"trainer_{strategy}", key)
+            assert row[f"dpkit_over_trainer_{figure}"] == pytest.approx(expected, rel=1e-9)
+            assert row[f"dpkit_over_trainer_{figure}_repeats"] == [
+                pytest.approx(expected, rel=1e-9)
+            ]
+        assert row["floor_over_step_time"] == pytest.approx(
+            median("floor", "step_time_s") / median(strategy, "step_time_s"), rel=1e-9
+        )
+    # The Trainer's runs log no per-step loss; dpkit's ZeRO-2 is compared with its DDP.
+    assert runs["trainer_ddp"]["losses"] == []
+    assert results["comparison"]["zero2"]["loss_max_rel_dev_vs_ddp"] < bench_results.LOSS_RTOL
+    checks = [c for c in results["checks"] if "Trainer" in c["check"]]
+    assert {c["strategy"] for c in checks} == {"ddp", "zero2"}
+    text = (out / "results.md").read_text()
+    assert text == bench_markdown.format_markdown(results) + "\n"
+    assert "| dpkit/Trainer step |" in text
+    assert "DDP, dpkit/Trainer step time per repeat:" in text
+    assert "its choices: reduce_bucket_size=147456" in text
+    assert (out / "chart.png").stat().st_size > 10_000
