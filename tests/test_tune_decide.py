@@ -189,3 +189,22 @@ def test_a_script_without_the_flags_the_tune_sets_is_refused(tmp_path):
     script.write_text("raise SystemExit('broken: no parser')\n")
     with pytest.raises(UsageError, match="--help failed: broken: no parser"):
         read_recipe(script, dict(os.environ))
+
+
+def test_a_trial_past_its_time_names_the_tunes_flag(tmp_path):
+    """The tune launches through the bench's launcher; a timeout names --trial-timeout."""
+    import sys
+
+    from dpkit.bench import launch
+
+    phase = launch.Phase(
+        name="zero2-mb2x2",
+        strategy="zero2",
+        bare=False,
+        launcher="python",
+        cmd=[sys.executable, "-c", "import time; time.sleep(60)"],
+        run_dir=tmp_path / "trial",
+    )
+    launch_settings = {**_settings().launch_settings(), "launch_timeout_s": 1}
+    with pytest.raises(launch.BenchError, match=r"timed out after 1 s \(--trial-timeout\)"):
+        launch.run_phase(phase, 1, 1, launch_settings, env=dict(os.environ))

@@ -94,7 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="no (fp32) or bf16: dpkit's runs get --mixed-precision, the bare DDP loop "
         "autocast, the bare DeepSpeed runs DeepSpeed's bf16 section",
     )
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sequence")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (classification: the most, batches padded to their longest)",
+    )
     parser.add_argument(
         "--micro-batch-size", type=int, default=None, help="sequences per process per step"
     )

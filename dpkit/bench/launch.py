@@ -406,7 +406,8 @@ def _wait(phase: Phase, proc: subprocess.Popen, settings: dict, log_path: Path) 
     try:
         while proc.poll() is None:
             if time.perf_counter() - started > timeout:
-                raise _failure(phase, f"timed out after {timeout} s (--launch-timeout)", log_path)
+                flag = settings.get("launch_timeout_flag", "--launch-timeout")
+                raise _failure(phase, f"timed out after {timeout} s ({flag})", log_path)
             done, loss = _steps_done(phase.run_dir)
             bar.update(done - bar.n)
             if loss is not None:

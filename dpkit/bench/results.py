@@ -23,9 +23,7 @@ Every strategy is compared with :data:`REFERENCE` (DDP, the full replica).
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
 from typing import Any
 
 from dpkit.bench.launch import (
@@ -41,7 +39,7 @@ from dpkit.memory.categories import CATEGORIES
 from dpkit.memory.report import gradient_partition_bytes
 from dpkit.plan import check as plan_check
 from dpkit.strategy import DDP, Strategy, get_strategy
-from dpkit.train.run_output import read_jsonl
+from dpkit.train.run_output import read_json, read_jsonl
 
 REFERENCE = DDP
 """What every strategy's memory, speed and losses are compared with."""
@@ -149,10 +147,6 @@ def max_relative_deviation(losses: list[float], reference: list[float]) -> float
     return max(abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
-
-
 def read_run(phase: Phase, wall_s: float, settings: dict[str, Any]) -> dict[str, Any]:
     """One training run from its own files: steps, and for a dpkit run its run info,
     memory report and ``dpkit plan`` for the same run."""
@@ -171,14 +165,14 @@ def read_run(phase: Phase, wall_s: float, settings: dict[str, Any]) -> dict[str,
     run["nproc"] = nproc
     run.update(summarize_steps(records, settings["warmup_steps"], nproc))
     if not phase.bare:
-        run["run_info"] = _read_json(phase.run_dir / "run_info.json")
-        run["memory"] = summarize_memory(_read_json(phase.run_dir / "memory_report.json"))
+        run["run_info"] = read_json(phase.run_dir / "run_info.json")
+        run["memory"] = summarize_memory(read_json(phase.run_dir / "memory_report.json"))
         # dpkit plan for this very run (its model, settings, world size).
         run["plan"] = plan_check.check_dict(plan_check.check_run(phase.run_dir))
     elif (phase.run_dir / "run_info.json").exists():  # the Trainer baseline's
-        run["run_info"] = _read_json(phase.run_dir / "run_info.json")
+        run["run_info"] = read_json(phase.run_dir / "run_info.json")
     if (phase.run_dir / "ds_config.json").exists():
-        run["ds_config"] = _read_json(phase.run_dir / "ds_config.json")
+        run["ds_config"] = read_json(phase.run_dir / "ds_config.json")
     return run
 
 
@@ -283,7 +277,7 @@ def build_results(
         if phase.trains:
             runs[phase.name] = read_run(phase, walls[phase.name], settings)
         else:
-            collectives = _read_json(phase.run_dir / COLLECTIVES_FILE)
+            collectives = read_json(phase.run_dir / COLLECTIVES_FILE)
             collectives["wall_s"] = walls[phase.name]
     strategies = [p.strategy for p in phases if p.trains and not p.bare and p.repeat == 1]
     first = runs[strategies[0].name]["memory"]

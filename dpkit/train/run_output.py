@@ -162,6 +162,11 @@ def _why_not_creatable(path: Path) -> str | None:
     return None
 
 
+def read_json(path: str | Path) -> dict:
+    """A JSON file a run wrote (run_info.json, memory_report.json, ds_config.json...)."""
+    return json.loads(Path(path).read_text())
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     """The records of a JSON-lines file (for tests and the bench)."""
     with open(path) as f:

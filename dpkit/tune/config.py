@@ -200,6 +200,7 @@ class TuneSettings:
             "nproc": self.nproc,
             "total_steps": self.total_steps,
             "launch_timeout_s": self.config.trial_timeout_s,
+            "launch_timeout_flag": "--trial-timeout",
             "threads_per_process": self.threads_per_process,
         }
 

@@ -21,6 +21,7 @@ from typing import Any
 from dpkit.bench import launch
 from dpkit.bench.results import summarize_memory, summarize_steps
 from dpkit.strategy import get_strategy
+from dpkit.train.run_output import read_json, read_jsonl
 from dpkit.tune.config import TuneSettings
 from dpkit.tune.space import Candidate
 
@@ -125,16 +126,10 @@ def phase(settings: TuneSettings, candidate: Candidate) -> launch.Phase:
     return launch.Phase(candidate.name, strategy, False, "accelerate launch", cmd, run_dir)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    return json.loads(path.read_text())
-
-
 def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) -> dict[str, Any]:
     """The trial's step times and rates, memory per rank, and the settings it ran with;
     :class:`ValueError` when the run is not the job asked for."""
-    from dpkit.train.run_output import read_jsonl
-
-    info = _read_json(run_dir / "run_info.json")
+    info = read_json(run_dir / "run_info.json")
     ran = (
         info.get("strategy"),
         int(info.get("world_size", 0)),
@@ -154,7 +149,7 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
         )
     records = read_jsonl(run_dir / "train_log.jsonl")
     steps = summarize_steps(records, settings.config.warmup_steps, settings.nproc)
-    memory = summarize_memory(_read_json(run_dir / "memory_report.json"))
+    memory = summarize_memory(read_json(run_dir / "memory_report.json"))
     on_cuda = str(info.get("device", "cpu")).startswith("cuda")
     # CUDA: the allocator's peak. CPU: per rank, the counted tensors at their high-waters
     # (model states, buffers, activations), what dpkit plan predicts and the strategy
@@ -165,7 +160,7 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
     ]
     peak = memory["peak_bytes"] if on_cuda and memory["peak_bytes"] else max(counted)
     ds_config = run_dir / "ds_config.json"
-    zero = _read_json(ds_config).get("zero_optimization", {}) if ds_config.is_file() else {}
+    zero = read_json(ds_config).get("zero_optimization", {}) if ds_config.is_file() else {}
     return {
         **{k: v for k, v in steps.items() if k != "step_cpu_s"},
         "memory_bytes": float(peak),
@@ -191,7 +186,7 @@ def load_previous(settings: TuneSettings, candidate: Candidate) -> Trial | None:
     """This candidate's trial from an earlier tune of the folder, if it is the same trial."""
     path = trial_dir(settings, candidate) / TRIAL_FILE
     try:
-        saved = _read_json(path)
+        saved = read_json(path)
     except (OSError, json.JSONDecodeError):
         return None
     if saved.get("fingerprint") != fingerprint(settings, candidate):
@@ -229,10 +224,7 @@ def run_trial(
         trial.figures = read_figures(settings, candidate, step.run_dir)
         trial.status = OK
     except launch.BenchError as err:
-        # The launcher is the bench's: its timeout flag is the tune's --trial-timeout.
-        message = (
-            str(err).removeprefix(f"{step.name}: ").replace("--launch-timeout", "--trial-timeout")
-        )
+        message = str(err).removeprefix(f"{step.name}: ")
         trial.status, trial.reason = FAILED, _first_error(message)
     except (OSError, ValueError, KeyError) as err:
         trial.status, trial.reason = FAILED, f"its files: {err}"
