@@ -54,6 +54,7 @@ from dpkit.train.deepspeed_config import (
     zero_stage_of,
 )
 from dpkit.train.ds_config_keys import check_ds_config_keys
+from dpkit.train.launch import check_ranks_per_gpu, local_process_count
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +88,18 @@ def device_arguments() -> dict[str, Any]:
     processes ``ddp_backend="gloo"``. Without ``use_cpu`` the Trainer's ranks train as
     unconnected copies (DDP) or DeepSpeed fails its batch-size check (ZeRO);
     ``ACCELERATE_USE_CPU=true`` in the environment instead turns DeepSpeed off without a
-    word. On CUDA: nothing (the Trainer picks nccl).
+    word. On CUDA: nothing (the Trainer picks nccl), after refusing in one line more
+    processes on this node than visible GPUs (:func:`dpkit.train.launch.check_ranks_per_gpu`).
 
     Call it before ``TrainingArguments``: on CPU it also keeps DeepSpeed from building
     its shared-memory all-reduce op, which training never uses and whose 66 MB
     ``/dev/shm`` segment per rank DeepSpeed never removes.
     """
     if torch.cuda.is_available():
+        # Here, before TrainingArguments starts the group: NCCL refuses two ranks on one
+        # GPU only once the group is up, in an error naming neither the flag nor the count.
+        local_processes, source = local_process_count(os.environ)
+        check_ranks_per_gpu(local_processes, torch.cuda.device_count(), source=source)
         return {}
     skip_deepspeed_cpu_shm_op()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
