@@ -71,6 +71,7 @@ _EXPORTS: dict[str, str] = {
     "read_jsonl": "dpkit.train.run_output",
     "Throughput": "dpkit.train.progress",
     "TrainingLog": "dpkit.train.progress",
+    "StepPhases": "dpkit.train.phases",
     # tuning
     "TuneConfig": "dpkit.tune.config",
     "run_tune": "dpkit.tune.run",

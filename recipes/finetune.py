@@ -136,10 +136,11 @@ def main() -> None:
     # Train. From here on SIGTERM/SIGINT finish the step, save and exit (dpkit.StepGuard).
     memory = run.track_memory(model, optimizer, probe_steps=train_cfg.memory_probe_steps)
     guard = dpkit.StepGuard(accelerator)
-    # The log counts skipped (fp16 overflow) steps into `position`, so checkpoints keep the count.
+    # The log counts skipped (fp16 overflow) steps into `position`, so checkpoints keep the
+    # count, and records where each step's time went (data, forward, backward, update).
     log = dpkit.TrainingLog(accelerator, output, total_steps=schedule.total_steps,
                             logging_steps=train_cfg.logging_steps, position=position,
-                            memory=memory)  # fmt: skip
+                            memory=memory, phases=dpkit.StepPhases(model, optimizer))  # fmt: skip
     started = time.perf_counter()
     model.train()
     num_epochs = position.epoch if train_cfg.eval_only else schedule.num_epochs

@@ -138,7 +138,11 @@ def main() -> None:
     memory = run.track_memory(model, optimizer, probe_steps=options.memory_probe_steps)
     guard = dpkit.StepGuard(accelerator)
     log = dpkit.TrainingLog(
-        accelerator, output, total_steps=workload.max_steps, logging_steps=options.logging_steps
+        accelerator,
+        output,
+        total_steps=workload.max_steps,
+        logging_steps=options.logging_steps,
+        phases=dpkit.StepPhases(model, optimizer),
     )
     step = 0
     model.train()

@@ -22,6 +22,7 @@ from dpkit.bench import markdown as bench_markdown
 from dpkit.bench import results as bench_results
 from dpkit.errors import UsageError
 from dpkit.memory.settings import MIN_BUCKET_ELEMENTS
+from dpkit.train.phases import PHASES
 from tests.harness import BIN, run
 
 # MiniLM's hidden size: the Trainer's "auto" reduce_bucket_size is its square.
@@ -164,6 +165,34 @@ def test_every_run_is_the_job_it_was_launched_as(classification_bench):
         records = _log(run_)
         assert [r["step"] for r in records] == list(range(1, WARMUP + STEPS + 1)), name
         assert all(r["samples_per_rank"] == 4 and r["tokens_per_rank"] > 0 for r in records)
+
+
+def test_every_step_says_where_its_time_went(classification_bench):
+    """The same phase clock on both sides: the phases add up to the step, the update is
+    found under accelerate's and DeepSpeed's wrappers, DDP's own timing is read."""
+    out, results = classification_bench
+    runs = results["runs"]
+    for name, run_ in runs.items():
+        for record in _log(run_):
+            phases = [record[phase] for phase in PHASES]
+            assert min(phases) >= 0, (name, record)
+            # The Trainer's clock writes the record between the two clock reads.
+            assert sum(phases) == pytest.approx(record["step_time_s"], abs=0.02), (name, record)
+            assert record["forward_s"] > 0 and record["backward_s"] > 0, (name, record)
+            assert record["optimizer_s"] > 0, (name, record)
+        assert set(run_["median_phases_s"]) == set(PHASES)
+    for name in ("ddp", "trainer_ddp"):
+        timing = runs[name]["ddp_timing"]
+        assert 0 < timing["backward_comm_exposed_s"] <= timing["backward_comm_s"], name
+        assert timing["backward_compute_s"] > 0, name
+    for name in ("zero2", "trainer_zero2", "floor"):
+        assert runs[name]["ddp_timing"] is None, name
+    table = (out / "results.md").read_text().split("Where a step's time goes")[1]
+    rows = [line for line in table.splitlines() if line.startswith("| ")][1:]
+    assert [row.split(" | ")[0][2:] for row in rows] == list(runs)
+    assert (
+        rows[0].split(" | ")[-1] == f"{runs['ddp']['ddp_timing']['backward_comm_exposed_s']:.3f} |"
+    )
 
 
 def test_the_trainer_fills_its_buckets_its_own_way(classification_bench):

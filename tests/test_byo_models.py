@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from tests import local_models
-from tests.harness import BIN, accelerate_cmd, deepspeed_cmd, max_rel_diff, run
+from tests.harness import BIN, accelerate_cmd, deepspeed_cmd, free_port, max_rel_diff, run
 
 ARCHITECTURES = ("gpt2", "llama", "roberta")
 DECODER_ONLY = ("gpt2", "llama")
@@ -138,3 +138,41 @@ def test_plan_reads_the_checkpoints_config(checkpoints, kind):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folders[kind]))
     assert plan["model"]["num_params"] == sum(p.numel() for p in model.parameters())
+
+
+# A model of one's own whose loss leaves a parameter out (a pooler under a head of one's
+# own): DDP stops at its second step without find_unused_parameters; ZeRO needs no flag.
+UNUSED_PARAMETER_SCRIPT = """
+import json, torch, dpkit
+
+(args,) = dpkit.parse_args(dpkit.StrategyConfig)
+torch.manual_seed(0)
+model = torch.nn.ModuleDict({"backbone": torch.nn.Linear(8, 8), "pooler": torch.nn.Linear(8, 8),
+                             "head": torch.nn.Linear(8, 1)})
+run = dpkit.setup(args, model=model, micro_batch_size=4)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+prepared, optimizer = run.accelerator.prepare(model, optimizer)
+inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(run.accelerator.process_index))
+losses = []
+for step in range(3):
+    loss = model["head"](torch.relu(model["backbone"](inputs))).pow(2).mean()
+    run.accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad()
+    losses.append(loss.item())
+run.accelerator.print("RESULT", json.dumps({"losses": losses,
+                      "find_unused": getattr(prepared, "find_unused_parameters", None)}))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_model_that_leaves_a_parameter_unused_trains_under_ddp_with_the_flag(tmp_path):
+    script = tmp_path / "own_model.py"
+    script.write_text(UNUSED_PARAMETER_SCRIPT)
+    cmd = [str(BIN / "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script), "--strategy", "ddp", "--ddp-find-unused-parameters"]  # fmt: skip
+    result = run(cmd).check()
+    (line,) = [line for line in result.output.splitlines() if line.startswith("RESULT ")]
+    outcome = json.loads(line.removeprefix("RESULT "))
+    assert outcome["find_unused"] is True
+    assert len(outcome["losses"]) == 3 and outcome["losses"][2] < outcome["losses"][0]

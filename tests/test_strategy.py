@@ -8,9 +8,11 @@ import pytest
 
 from dpkit.errors import UsageError
 from dpkit.memory.settings import zero_memory_settings
+from dpkit.models import ModelSizes
+from dpkit.train.config import StrategyConfig
 from dpkit.train.deepspeed_config import fill_deepspeed_config
 from dpkit.train.launch import resolve_precision, resolve_strategy
-from dpkit.train.resolve import scaled_learning_rate
+from dpkit.train.resolve import resolve, scaled_learning_rate
 from tests.harness import REPO
 
 ZERO1 = str(REPO / "ds_configs" / "zero1.json")
@@ -192,3 +194,26 @@ def test_the_offload_variant_of_each_strategy():
     assert ZERO2.offloaded() is ZERO2_OFFLOAD and ZERO2_OFFLOAD.offloaded() is ZERO2_OFFLOAD
     assert ZERO1.offloaded() is ZERO1  # no ZeRO-1 offload row: planned as ZeRO-1
     assert DDP.offloaded() is DDP
+
+
+# ---- a model that leaves parameters out of the loss ------------------------------------------
+
+_SIZES = ModelSizes(num_params=1000, largest_param_numel=500, hidden_size=16)
+_TORCHRUN_2 = {"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0"}
+
+
+def test_find_unused_parameters_reaches_ddp_and_is_a_note_under_zero():
+    plain = resolve(
+        StrategyConfig(strategy="ddp"), model=_SIZES, micro_batch_size=4, env=_TORCHRUN_2
+    )
+    assert plain.ddp_kwargs["find_unused_parameters"] is False and plain.notes == ()
+    asked = StrategyConfig(strategy="ddp", ddp_find_unused_parameters=True)
+    ddp = resolve(asked, model=_SIZES, micro_batch_size=4, env=_TORCHRUN_2)
+    assert ddp.ddp_kwargs["find_unused_parameters"] is True
+    assert ddp.ddp_kwargs["gradient_as_bucket_view"] is True  # dpkit's own kwargs stay
+    assert ddp.notes == ()
+    asked = StrategyConfig(strategy="zero2", ddp_find_unused_parameters=True)
+    zero = resolve(asked, model=_SIZES, micro_batch_size=4, env=_TORCHRUN_2)
+    assert zero.ddp_kwargs == {}
+    (note,) = zero.notes  # said once at start, recorded in run_info.json
+    assert note.startswith("--ddp-find-unused-parameters: DDP's; zero2 needs none")

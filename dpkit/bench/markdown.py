@@ -6,12 +6,14 @@ Everything here reads only the dict :func:`dpkit.bench.results.build_results` re
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
-from dpkit.bench.launch import FLOOR_RUN, trainer_run_name
+from dpkit.bench.launch import FLOOR_RUN, repeat_name, trainer_run_name
 from dpkit.bench.results import REFERENCE, max_relative_deviation, result_strategies
 from dpkit.memory.categories import MODEL_STATES
 from dpkit.strategy import get_strategy
+from dpkit.train.phases import PHASES
 
 MIB = 1024.0**2
 COLLECTIVE_ROWS = (
@@ -209,6 +211,62 @@ def _run_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _over_repeats(runs: dict[str, Any], name: str, value: Any) -> float | None:
+    """The median over ``name``'s repeats of ``value(run)`` (None where a run has none)."""
+    values, repeat = [], 1
+    while repeat_name(name, repeat) in runs:
+        found = value(runs[repeat_name(name, repeat)])
+        if found is not None:
+            values.append(found)
+        repeat += 1
+    return statistics.median(values) if values else None
+
+
+def _phase_table(results: dict[str, Any]) -> list[str]:
+    """Where a step's time goes, per run (dpkit.StepPhases; medians over the repeats)."""
+    runs = results["runs"]
+    names = [name for name, run in runs.items() if run["repeat"] == 1 and run["median_phases_s"]]
+    if not names:
+        return []
+    floor = runs.get(FLOOR_RUN)
+    floor_backward = (floor or {}).get("median_phases_s", {}) or {}
+    lines = [
+        "",
+        "Where a step's time goes on the main process (seconds; dpkit.StepPhases: hooks on "
+        "the prepared model and optimizer; each phase's median over the timed steps, then "
+        "over the repeats, so a row need not add up to the median step). backward holds the "
+        "gradient reduction it waits on, and so does its excess over the floor's backward "
+        "(one rank, no communication); other is everything after the update (zero_grad, "
+        "the scheduler, the loss all-reduce, the log; under ZeRO the all-gather of the "
+        "updated parameters). DDP exposed allreduce: DDP's own timing of the allreduce "
+        "time not overlapped with backward compute (its first 10 iterations).",
+        "",
+        "| run | data | forward | backward | optimizer | other | backward - floor's "
+        "| DDP exposed allreduce |",
+        "|---|" + "---:|" * 7,
+    ]
+    for name in names:
+        medians = {
+            phase: _over_repeats(runs, name, lambda run, p=phase: run["median_phases_s"][p])
+            for phase in PHASES
+        }
+        exposed = _over_repeats(
+            runs,
+            name,
+            lambda run: (run.get("ddp_timing") or {}).get("backward_comm_exposed_s"),
+        )
+        excess = (
+            medians["backward_s"] - floor_backward["backward_s"]
+            if "backward_s" in floor_backward and name != FLOOR_RUN
+            else None
+        )
+        cells = [name, *(f"{medians[phase]:.3f}" for phase in PHASES)]
+        cells += ["-" if excess is None else f"{excess:+.3f}"]
+        cells += ["-" if exposed is None else f"{exposed:.3f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _collectives_lines(results: dict[str, Any]) -> list[str]:
     """The collectives phase: each strategy's communication timed alone, beside the
     step-time difference it explains."""
@@ -336,6 +394,7 @@ def format_markdown(results: dict[str, Any]) -> str:
             *_strategy_table(results),
             *_gradient_lines(results),
             *_run_table(results),
+            *_phase_table(results),
             *_trainer_lines(results),
             *_collectives_lines(results),
             *_check_lines(results),

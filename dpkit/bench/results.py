@@ -39,6 +39,7 @@ from dpkit.memory.categories import CATEGORIES
 from dpkit.memory.report import gradient_partition_bytes
 from dpkit.plan import check as plan_check
 from dpkit.strategy import DDP, Strategy, get_strategy
+from dpkit.train.phases import PHASES
 from dpkit.train.run_output import read_json, read_jsonl
 
 REFERENCE = DDP
@@ -85,6 +86,11 @@ def summarize_steps(records: list[dict[str, Any]], warmup: int, world_size: int)
     cpu_times = [float(r["step_cpu_s"]) for r in timed if "step_cpu_s" in r]
     tokens = float(timed[0]["tokens_per_rank"])
     samples = float(timed[0]["samples_per_rank"])
+    # Where a step's time went (dpkit.StepPhases), the median of each phase over the timed
+    # steps; None for a loop that does not record them (the bare baselines).
+    phases = None
+    if all(phase in timed[0] for phase in PHASES):
+        phases = {phase: statistics.median(float(r[phase]) for r in timed) for phase in PHASES}
     return {
         # None where the run logs no per-step loss (the Trainer baseline).
         "losses": [float(r["loss"]) for r in records if r.get("loss") is not None],
@@ -102,6 +108,7 @@ def summarize_steps(records: list[dict[str, Any]], warmup: int, world_size: int)
         "tokens_per_s": tokens / median * world_size,
         "samples_per_s_per_rank": samples / median,
         "samples_per_s": samples / median * world_size,
+        "median_phases_s": phases,
     }
 
 
@@ -169,8 +176,10 @@ def read_run(phase: Phase, wall_s: float, settings: dict[str, Any]) -> dict[str,
         run["memory"] = summarize_memory(read_json(phase.run_dir / "memory_report.json"))
         # dpkit plan for this very run (its model, settings, world size).
         run["plan"] = plan_check.check_dict(plan_check.check_run(phase.run_dir))
+        run["ddp_timing"] = read_json(phase.run_dir / "train_summary.json").get("ddp_timing")
     elif (phase.run_dir / "run_info.json").exists():  # the Trainer baseline's
         run["run_info"] = read_json(phase.run_dir / "run_info.json")
+        run["ddp_timing"] = run["run_info"].get("ddp_timing")
     if (phase.run_dir / "ds_config.json").exists():
         run["ds_config"] = read_json(phase.run_dir / "ds_config.json")
     return run

@@ -14,12 +14,14 @@ What the bench reads, written by rank 0 into ``--output-dir``:
 
 * ``train_log.jsonl``: per optimizer step its wall and CPU time (from one step's end to
   the next, data loading included, as :class:`dpkit.TrainingLog` times dpkit's steps),
-  tokens and samples of this rank; no per-step loss (the Trainer's default logging
+  tokens and samples of this rank, where the step's time went
+  (:class:`dpkit.StepPhases`, as dpkit's recipes record it); no per-step loss (the Trainer's default logging
   reports one every 500 steps; asking it for one each step would add a gather);
 * ``run_info.json``: the strategy and world size that actually run, checked on every
   rank after the first step. A run whose ranks train unconnected copies, or that asked
   for ZeRO and runs without it, stops there with one line and exit code 2: its figures
-  would not be the job the bench compares.
+  would not be the job the bench compares. At the end it adds the training loss and
+  DDP's own timing (``ddp_timing``, as dpkit's runs write it in ``train_summary.json``).
 
 Launched as a module (``torchrun -m dpkit.bench.trainer_baseline``), never as a file
 (see :mod:`dpkit.bench.launch`).
@@ -87,17 +89,21 @@ def _step_clock(strategy: str, output_dir: Path, counter: _TokenCounter) -> Any:
 
     from dpkit.errors import UsageError
     from dpkit.integrations.transformers import check_trainer_run, strategy_running
+    from dpkit.train.phases import StepPhases
 
     class StepClock(TrainerCallback):
         trainer: Any = None
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             check_trainer_run(args)
+            # The same phase clock as dpkit's TrainingLog, on what the Trainer prepared.
+            self.phases = StepPhases(self.trainer.model_wrapped, self.trainer.optimizer)
             self.last = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             now = (time.perf_counter(), time.process_time())
             tokens, samples = counter.take()
+            phases = self.phases.take()
             if state.global_step == 1:
                 self.check()
             if state.is_world_process_zero:
@@ -107,6 +113,7 @@ def _step_clock(strategy: str, output_dir: Path, counter: _TokenCounter) -> Any:
                     "step_cpu_s": now[1] - self.last[1],
                     "tokens_per_rank": tokens,
                     "samples_per_rank": samples,
+                    **phases,
                 }
                 with open(output_dir / "train_log.jsonl", "a") as log:
                     log.write(json.dumps(record) + "\n")
@@ -160,6 +167,7 @@ def main() -> None:
     import dpkit
     from dpkit import resources
     from dpkit.integrations.transformers import device_arguments
+    from dpkit.train.phases import ddp_timing
 
     args = parse_args()
     dpkit.log_once_per_job()
@@ -213,7 +221,11 @@ def main() -> None:
     clock.trainer = trainer
     result = trainer.train()
     if trainer.is_world_process_zero():
-        info = {**clock.info, "training_loss": result.training_loss}
+        info = {
+            **clock.info,
+            "training_loss": result.training_loss,
+            "ddp_timing": ddp_timing(trainer.model_wrapped),
+        }
         (output_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
 
 

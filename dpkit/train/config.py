@@ -67,6 +67,18 @@ class StrategyConfig:
     )
     """Process-group timeout (torch's and DeepSpeed's default is 30 minutes)."""
 
+    ddp_find_unused_parameters: bool = field(
+        default=False,
+        metadata={
+            "help": "DDP: let the model leave parameters out of the loss (a head of your own "
+            "over a backbone whose pooler goes unused); costs one autograd-graph traversal a "
+            "step. ZeRO needs no flag (DeepSpeed handles unused parameters itself)."
+        },
+    )
+    """DDP's ``find_unused_parameters`` (the Trainer's ``ddp_find_unused_parameters``).
+    Without it DDP stops at the second step with "Expected to have finished reduction in
+    the prior iteration" when a parameter gets no gradient."""
+
     def __post_init__(self) -> None:
         check_field(
             0 < self.collective_timeout < float("inf"),

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from dpkit.train.checkpointer import Position
+    from dpkit.train.phases import StepPhases
 
 logger = logging.getLogger("dpkit")
 
@@ -74,6 +75,7 @@ class TrainingLog:
         initial_step: int = 0,
         memory: Any = None,
         position: Position | None = None,
+        phases: StepPhases | None = None,
     ) -> None:
         """
         Args:
@@ -87,6 +89,10 @@ class TrainingLog:
             position: the run's :class:`~dpkit.train.checkpointer.Position`: where a
                 resumed run starts, and whose ``skipped_steps`` this log counts on, so
                 that checkpoints carry the count. None: a count of this log's own.
+            phases: a :class:`~dpkit.train.phases.StepPhases` on the prepared model and
+                optimizer: every record then says where its step's time went
+                (``data_s``, ``forward_s``, ``backward_s``, ``optimizer_s``, ``other_s``),
+                and ``train_summary.json`` holds DDP's own timing (``ddp_timing``).
         """
         from tqdm.auto import tqdm
 
@@ -98,6 +104,7 @@ class TrainingLog:
         self.total_steps = total_steps
         self.logging_steps = logging_steps
         self.memory = memory
+        self.phases = phases
         self.position = position if position is not None else Position(step=initial_step)
         self.last_step = self.position.step
         # Found once (TrainingLog is made after prepare, when the scaler exists).
@@ -135,8 +142,8 @@ class TrainingLog:
         A record without them gets ``step_time_s`` and ``step_cpu_s`` (this process's wall
         and CPU time since the previous step, or since the log was made: whatever ran
         between two steps, an evaluation too, counts in the next step) and
-        ``tokens_per_rank``/``samples_per_rank`` (counted by :meth:`micro_batch`): what
-        ``dpkit tune`` and ``dpkit bench`` read."""
+        ``tokens_per_rank``/``samples_per_rank`` (counted by :meth:`micro_batch`), and with
+        ``phases`` the step's phase times: what ``dpkit tune`` and ``dpkit bench`` read."""
         step = self.last_step = record["step"]
         now = (time.perf_counter(), time.process_time())
         measured = {
@@ -145,6 +152,8 @@ class TrainingLog:
             "tokens_per_rank": int(self._step_tokens),
             "samples_per_rank": self._step_samples,
         }
+        if self.phases is not None:
+            measured.update(self.phases.take())
         self._step_tokens, self._step_samples, self._step_started = 0, 0, now
         missing = {key: value for key, value in measured.items() if key not in record}
         record = {**record, **missing, **self._overflow_fields(step)}
@@ -203,16 +212,21 @@ class TrainingLog:
 
     def close(self) -> None:
         """Close the bar and write ``train_summary.json``: the last step, how many of the
-        run's steps were skipped (they count in ``last_step``), the final loss scale."""
+        run's steps were skipped (they count in ``last_step``), the final loss scale, and
+        with ``phases`` DDP's own timing of its forward, backward and allreduce (None when
+        not DDP)."""
         self.progress.close()
-        self.output.write_json(
-            "train_summary.json",
-            {
-                "last_step": self.last_step,
-                "skipped_steps": self.position.skipped_steps,
-                "loss_scale": self._loss_scale,
-            },
-        )
+        summary = {
+            "last_step": self.last_step,
+            "skipped_steps": self.position.skipped_steps,
+            "loss_scale": self._loss_scale,
+        }
+        if self.phases is not None:
+            from dpkit.train.phases import ddp_timing
+
+            summary["ddp_timing"] = ddp_timing(self.phases.model)
+            self.phases.remove()
+        self.output.write_json("train_summary.json", summary)
         if self.position.skipped_steps and self.accelerator.is_main_process:
             logger.info(
                 "%d of %d optimizer steps skipped for a gradient overflow (counted in the steps)",

@@ -66,6 +66,8 @@ class Resolution:
     """The peak learning rate, scaled with the global batch if asked (None: not given)."""
     offload_optimizer: str | None = None
     """Where ZeRO keeps optimizer state and master weights off the device (``cpu``), or None."""
+    notes: tuple[str, ...] = ()
+    """What the run does otherwise than a flag reads (logged once by :func:`start`)."""
 
     @property
     def global_batch_size(self) -> int:
@@ -150,6 +152,12 @@ def resolve(
             learning_rate=learning_rate,
             weight_decay=weight_decay,
         )
+    notes = []
+    if args.ddp_find_unused_parameters and ds_config is not None:
+        notes.append(
+            f"--ddp-find-unused-parameters: DDP's; {choice.strategy.name} needs none "
+            "(DeepSpeed handles parameters the loss does not use itself)"
+        )
     return Resolution(
         strategy=choice.strategy,
         source=choice.source,
@@ -159,12 +167,15 @@ def resolve(
         gradient_accumulation_steps=gradient_accumulation_steps,
         ds_config=ds_config,
         ds_config_path=choice.ds_config_path,
-        ddp_kwargs={} if ds_config is not None else ddp_kwargs(),
+        ddp_kwargs={}
+        if ds_config is not None
+        else {**ddp_kwargs(), "find_unused_parameters": args.ddp_find_unused_parameters},
         on_cuda=on_cuda,
         collective_timeout_s=args.collective_timeout,
         model_sizes=sizes,
         learning_rate=learning_rate,
         offload_optimizer=offload,
+        notes=tuple(notes),
     )
 
 

@@ -63,6 +63,8 @@ class RunInfo:
     learning_rate: float | None
     num_params: int
     offload_optimizer: str | None = None
+    notes: tuple[str, ...] = ()
+    """What the run does otherwise than a flag reads (:attr:`Resolution.notes`)."""
 
     def describe(self) -> str:
         """The one line every run logs."""
@@ -184,6 +186,7 @@ class Run:
             learning_rate=asked.learning_rate,
             num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
             offload_optimizer=asked.offload_optimizer,
+            notes=asked.notes,
         )
         if acc.is_main_process:
             logger.info("%s", info.describe())
@@ -377,6 +380,8 @@ def start(
     log_once_per_job(accelerator.is_main_process)
     if timeout_notice is not None and accelerator.num_processes > 1:
         logger.info("%s", timeout_notice)
+    for note in resolution.notes:
+        logger.info("%s", note)
     if accelerator.num_processes > 1:
         # A lazily connected process group (NCCL's default; TORCH_GLOO_LAZY_INIT=1 on CPU)
         # lets the main process run ahead of a slower rank still parsing its arguments,

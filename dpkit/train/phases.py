@@ -1,0 +1,127 @@
+"""Where an optimizer step's wall time goes on this rank: data, forward, backward, optimizer, the rest.
+
+:class:`StepPhases` times the phases from hooks that cost a clock read each: a forward
+pre-hook and hook on the prepared model (DDP's wrapper or DeepSpeed's engine) and a
+step pre-hook and post-hook on the innermost ``torch.optim.Optimizer`` (under
+accelerate's and DeepSpeed's wrappers). Each gap between two consecutive events goes
+to one phase, so the phases of a step add up to its wall time:
+
+* ``data_s``: from the previous step's end to the first forward: loading the batch,
+  and whatever else ran between two steps (an evaluation, a checkpoint);
+* ``forward_s``: inside the model's forward (training-mode forwards only);
+* ``backward_s``: from a forward's end to the optimizer update (or the next
+  micro-batch's forward under accumulation): the backward with every gradient
+  reduction it waits on (DDP's allreduce, ZeRO's reduce), gradient clipping;
+* ``optimizer_s``: the optimizer's own update;
+* ``other_s``: from the update to the step's end: ``zero_grad``, the scheduler, the
+  recipe's per-step work (loss all-reduce, log), and under ZeRO the all-gather of the
+  updated parameter partitions that follows the update; a step whose update was
+  skipped puts its post-forward time here too.
+
+DDP also times itself (its logger, sampled over its first 10 iterations and every
+100th): :func:`ddp_timing` reads those averages, which split the backward into compute
+and the allreduce time not hidden behind it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+PHASES = ("data_s", "forward_s", "backward_s", "optimizer_s", "other_s")
+
+# (previous event, this event) -> the phase the gap between them belongs to.
+_GAP_PHASE = {
+    ("step_end", "forward_start"): "data_s",
+    ("forward_start", "forward_end"): "forward_s",
+    ("forward_end", "forward_start"): "backward_s",
+    ("forward_end", "update_start"): "backward_s",
+    ("update_start", "update_end"): "optimizer_s",
+}
+
+
+def torch_optimizer(optimizer: Any) -> Any:
+    """The innermost ``torch.optim.Optimizer`` under accelerate's and DeepSpeed's wrappers
+    (each keeps the one it wraps as ``.optimizer``), or None."""
+    import torch
+
+    found = None
+    current = optimizer
+    while current is not None:
+        if isinstance(current, torch.optim.Optimizer):
+            found = current
+        inner = getattr(current, "optimizer", None)
+        current = inner if inner is not current else None
+    return found
+
+
+class StepPhases:
+    """Per-step phase times of this rank (see the module docstring); :meth:`take` at the end of
+    every optimizer step returns that step's and starts the next."""
+
+    def __init__(self, model: Any, optimizer: Any) -> None:
+        """
+        Args:
+            model: the prepared model (hooks go on the wrapper, so DDP's and the engine's
+                own work in forward counts as forward).
+            optimizer: the prepared optimizer; the hooks go on the ``torch.optim.Optimizer``
+                inside it (:func:`torch_optimizer`). None, or none inside: no
+                ``optimizer_s`` (the time from the last forward on counts in ``other_s``).
+        """
+        self.model = model
+        self._totals = dict.fromkeys(PHASES, 0.0)
+        self._last_event = "step_end"
+        self._last_time = time.perf_counter()
+        self._handles = [
+            model.register_forward_pre_hook(lambda module, args: self._event("forward_start")),
+            model.register_forward_hook(lambda module, args, out: self._event("forward_end")),
+        ]
+        inner = torch_optimizer(optimizer)
+        if inner is not None:
+            self._handles += [
+                inner.register_step_pre_hook(lambda *_: self._event("update_start")),
+                inner.register_step_post_hook(lambda *_: self._event("update_end")),
+            ]
+
+    def _event(self, event: str) -> None:
+        if event.startswith("forward") and not self.model.training:
+            return  # an evaluation's forwards are not the step's
+        now = time.perf_counter()
+        phase = _GAP_PHASE.get((self._last_event, event), "other_s")
+        self._totals[phase] += now - self._last_time
+        self._last_event, self._last_time = event, now
+
+    def take(self) -> dict[str, float]:
+        """This step's phase times in seconds (they add up to the wall time since the previous
+        :meth:`take`, or since this clock was made); call at the end of every optimizer step."""
+        self._event("step_end")
+        taken, self._totals = self._totals, dict.fromkeys(PHASES, 0.0)
+        return taken
+
+    def remove(self) -> None:
+        """Take the hooks off."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+def ddp_timing(model: Any) -> dict[str, float] | None:
+    """DDP's own averages, in seconds per iteration (its logger samples its first 10
+    iterations and every 100th), or None when ``model`` is not DDP-wrapped:
+    ``forward_compute_s``, ``backward_compute_s``, ``backward_comm_s`` (the allreduce,
+    start of the first to end of the last) and ``backward_comm_exposed_s`` (the part of
+    it not overlapped with backward compute: what the backward waits on)."""
+    logging_data = getattr(model, "_get_ddp_logging_data", None)
+    if logging_data is None:
+        return None
+    data = logging_data()
+    if not data.get("avg_backward_comm_time"):
+        return None  # no iteration sampled yet
+    seconds = {
+        "forward_compute_s": data.get("avg_forward_compute_time", 0) / 1e9,
+        "backward_compute_s": data.get("avg_backward_compute_time", 0) / 1e9,
+        "backward_comm_s": data.get("avg_backward_comm_time", 0) / 1e9,
+    }
+    overlap = data.get("avg_backward_compute_comm_overlap_time", 0) / 1e9
+    seconds["backward_comm_exposed_s"] = max(seconds["backward_comm_s"] - overlap, 0.0)
+    return seconds
