@@ -180,6 +180,9 @@ def test_every_step_says_where_its_time_went(classification_bench):
             assert sum(phases) == pytest.approx(record["step_time_s"], abs=0.02), (name, record)
             assert record["forward_s"] > 0 and record["backward_s"] > 0, (name, record)
             assert record["optimizer_s"] > 0, (name, record)
+            # The backward pass's end was seen (a hook on the loss): clipping at least
+            # lies between it and the update.
+            assert record["grad_sync_s"] > 0, (name, record)
         assert set(run_["median_phases_s"]) == set(PHASES)
     for name in ("ddp", "trainer_ddp"):
         timing = runs[name]["ddp_timing"]

@@ -222,6 +222,16 @@ def _over_repeats(runs: dict[str, Any], name: str, value: Any) -> float | None:
     return statistics.median(values) if values else None
 
 
+PHASE_LABELS = {
+    "data_s": "data",
+    "forward_s": "forward",
+    "backward_s": "backward",
+    "grad_sync_s": "grad sync",
+    "optimizer_s": "optimizer",
+    "other_s": "other",
+}
+
+
 def _phase_table(results: dict[str, Any]) -> list[str]:
     """Where a step's time goes, per run (dpkit.StepPhases; medians over the repeats)."""
     runs = results["runs"]
@@ -233,17 +243,20 @@ def _phase_table(results: dict[str, Any]) -> list[str]:
     lines = [
         "",
         "Where a step's time goes on the main process (seconds; dpkit.StepPhases: hooks on "
-        "the prepared model and optimizer; each phase's median over the timed steps, then "
-        "over the repeats, so a row need not add up to the median step). backward holds the "
-        "gradient reduction it waits on, and so does its excess over the floor's backward "
-        "(one rank, no communication); other is everything after the update (zero_grad, "
-        "the scheduler, the loss all-reduce, the log; under ZeRO the all-gather of the "
-        "updated parameters). DDP exposed allreduce: DDP's own timing of the allreduce "
-        "time not overlapped with backward compute (its first 10 iterations).",
+        "the prepared model, its loss and the optimizer; each phase's median over the timed "
+        "steps, then over the repeats, so a row need not add up to the median step). "
+        "backward is the autograd pass (DeepSpeed's bucket reduces run inside it, DDP's "
+        "allreduce overlaps it); grad sync runs from its end to the update: the wait for "
+        "reduction still in flight, and clipping; other is everything after the update "
+        "(zero_grad, the scheduler, the loss all-reduce, the log; under ZeRO the all-gather "
+        "of the updated parameters). backward + sync - floor's: what those two cost beyond "
+        "one rank alone with no communication. DDP exposed allreduce: DDP's own timing of "
+        "the allreduce time not overlapped with backward compute (its first 10 iterations).",
         "",
-        "| run | data | forward | backward | optimizer | other | backward - floor's "
-        "| DDP exposed allreduce |",
-        "|---|" + "---:|" * 7,
+        "| run | "
+        + " | ".join(PHASE_LABELS[phase] for phase in PHASES)
+        + " | backward + sync - floor's | DDP exposed allreduce |",
+        "|---|" + "---:|" * (len(PHASES) + 2),
     ]
     for name in names:
         medians = {
@@ -256,8 +269,8 @@ def _phase_table(results: dict[str, Any]) -> list[str]:
             lambda run: (run.get("ddp_timing") or {}).get("backward_comm_exposed_s"),
         )
         excess = (
-            medians["backward_s"] - floor_backward["backward_s"]
-            if "backward_s" in floor_backward and name != FLOOR_RUN
+            sum(medians[p] - floor_backward[p] for p in ("backward_s", "grad_sync_s"))
+            if all(p in floor_backward for p in ("backward_s", "grad_sync_s")) and name != FLOOR_RUN
             else None
         )
         cells = [name, *(f"{medians[phase]:.3f}" for phase in PHASES)]
