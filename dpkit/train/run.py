@@ -63,8 +63,9 @@ class RunInfo:
     learning_rate: float | None
     num_params: int
     offload_optimizer: str | None = None
-    notes: tuple[str, ...] = ()
-    """What the run does otherwise than a flag reads (:attr:`Resolution.notes`)."""
+    notes: str = ""
+    """What the run does otherwise than a flag reads (:attr:`Resolution.notes`, joined by
+    "; "): a string, as trackers take only scalars and strings for a run's config."""
 
     def describe(self) -> str:
         """The one line every run logs."""
@@ -186,7 +187,7 @@ class Run:
             learning_rate=asked.learning_rate,
             num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
             offload_optimizer=asked.offload_optimizer,
-            notes=asked.notes,
+            notes="; ".join(asked.notes),
         )
         if acc.is_main_process:
             logger.info("%s", info.describe())
