@@ -137,7 +137,8 @@ def main() -> None:
     memory = run.track_memory(model, optimizer, probe_steps=train_cfg.memory_probe_steps)
     guard = dpkit.StepGuard(accelerator)
     # The log counts skipped (fp16 overflow) steps into `position`, so checkpoints keep the
-    # count, and records where each step's time went (data, forward, backward, update).
+    # count, and records where each step's time went (dpkit.StepPhases: data, forward,
+    # backward, grad sync, optimizer, other).
     log = dpkit.TrainingLog(accelerator, output, total_steps=schedule.total_steps,
                             logging_steps=train_cfg.logging_steps, position=position,
                             memory=memory, phases=dpkit.StepPhases(model, optimizer))  # fmt: skip

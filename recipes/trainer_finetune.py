@@ -1,8 +1,9 @@
 """Fine-tune MiniLM on Rotten Tomatoes with the plain Transformers ``Trainer``, plus dpkit's memory report.
 
-The Trainer code people already have, with one callback added
-(:class:`dpkit.integrations.transformers.MemoryReportCallback`) and DeepSpeed's
-buckets sized to the model (:func:`~dpkit.integrations.transformers.deepspeed_config`).
+The Trainer code people already have, with two callbacks added
+(:class:`dpkit.integrations.transformers.MemoryReportCallback`, and
+:class:`~dpkit.integrations.transformers.StepPhasesCallback`: where each step's time
+goes, in the Trainer's logs) and DeepSpeed's buckets sized to the model (:func:`~dpkit.integrations.transformers.deepspeed_config`).
 Every ``TrainingArguments`` flag works (``--per_device_train_batch_size``,
 ``--learning_rate``, ``--max_steps``, ``--report_to``...). From the repository root:
 
@@ -36,7 +37,12 @@ from transformers import (
 )
 
 import dpkit
-from dpkit.integrations.transformers import MemoryReportCallback, deepspeed_config, device_arguments
+from dpkit.integrations.transformers import (
+    MemoryReportCallback,
+    StepPhasesCallback,
+    deepspeed_config,
+    device_arguments,
+)
 
 
 @dataclass
@@ -66,7 +72,9 @@ class ExampleArguments:
     )
     memory_report: bool = field(
         default=True,
-        metadata={"help": "Add dpkit's MemoryReportCallback (false: the bare Trainer)."},
+        metadata={
+            "help": "Add dpkit's MemoryReportCallback and StepPhasesCallback (false: the bare Trainer)."
+        },
     )
     cpu_arguments: bool = field(
         default=True,
@@ -148,7 +156,10 @@ def main() -> None:
         data_collator=DataCollatorWithPadding(tokenizer, pad_to_multiple_of=8),
         compute_metrics=compute_metrics,
         callbacks=[
-            MemoryReportCallback(report_every=example.memory_report_every, model_name=example.model)
+            MemoryReportCallback(
+                report_every=example.memory_report_every, model_name=example.model
+            ),
+            StepPhasesCallback(),
         ]
         if example.memory_report
         else [],

@@ -116,6 +116,34 @@ def test_ratios_are_medians_over_the_repeats_each_pair_divided():
     assert verdicts == {"ddp": True, "zero2": False}
 
 
+def test_phase_profile_is_each_phase_median_over_the_repeats_and_the_excess_over_the_floor():
+    def run_(repeat: int, backward: float, sync: float, exposed: float | None) -> dict:
+        phases = dict.fromkeys(PHASES, 0.01) | {"backward_s": backward, "grad_sync_s": sync}
+        timing = None if exposed is None else {"backward_comm_exposed_s": exposed}
+        return {"repeat": repeat, "median_phases_s": phases, "ddp_timing": timing}
+
+    runs = {
+        "ddp": run_(1, 1.2, 0.1, 0.30),
+        "ddp.r2": run_(2, 1.5, 0.3, 0.20),
+        "ddp.r3": run_(3, 1.3, 0.2, 0.25),
+        "zero2": run_(1, 1.4, 0.1, None),
+        "floor": run_(1, 1.0, 0.0, None),
+        "bare_ddp": {"repeat": 1, "median_phases_s": None},  # bare loops have no clock
+    }
+    profile = bench_results.phase_profile(runs)
+    assert list(profile) == ["ddp", "zero2", "floor"]
+    ddp = profile["ddp"]
+    assert ddp["phases_s"]["backward_s"] == 1.3 and ddp["phases_s"]["grad_sync_s"] == 0.2
+    assert ddp["backward_and_sync_over_floor_s"] == pytest.approx(0.5)
+    assert ddp["ddp_exposed_allreduce_s"] == 0.25
+    assert profile["zero2"]["backward_and_sync_over_floor_s"] == pytest.approx(0.5)
+    assert profile["zero2"]["ddp_exposed_allreduce_s"] is None
+    assert profile["floor"]["backward_and_sync_over_floor_s"] is None
+    table = "\n".join(bench_markdown._phase_table({"phase_profile": profile}))
+    assert "| ddp | 0.010 | 0.010 | 1.300 | 0.200 | 0.010 | 0.010 | +0.500 | 0.250 |" in table
+    assert "| floor | 0.010 | 0.010 | 1.000 | 0.000 | 0.010 | 0.010 | - | - |" in table
+
+
 def test_figures_of_another_job_than_launched_stop_the_bench(tmp_path):
     """A run whose ranks trained alone says so in its run_info.json: the bench refuses its
     figures; a Trainer run without the file is refused too."""

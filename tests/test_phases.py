@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from dpkit.train.phases import PHASES, StepPhases, ddp_timing, torch_optimizer
+from dpkit.memory.walk import inner_torch_optimizer
+from dpkit.train.phases import PHASES, StepPhases, ddp_timing
 
 # Sleeps, in seconds, one per phase, all different; SLACK bounds what else a phase may
 # hold (real work of a tiny model, a busy machine's scheduling delay) and is below the
@@ -49,7 +50,7 @@ def test_each_gap_goes_to_its_phase_and_the_phases_add_up_to_the_step():
     model = _Slow(0.0)
     optimizer = torch.optim.AdamW(model.parameters())
     model, optimizer = accelerator.prepare(model, optimizer)
-    assert torch_optimizer(optimizer) is optimizer.optimizer  # under accelerate's wrapper
+    assert inner_torch_optimizer(optimizer) is optimizer.optimizer  # under accelerate's wrapper
     _step(model, optimizer)  # AdamW's first step makes its state: not part of the test
     model.delay = FORWARD
     phases = StepPhases(model, optimizer)
@@ -101,7 +102,7 @@ def test_a_forward_without_an_output_to_hook_counts_backward_and_sync_together()
 
     model = SideChannel()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    assert torch_optimizer(object()) is None
+    assert inner_torch_optimizer(object()) is None
     phases = StepPhases(model, optimizer)
     model(torch.ones(2, 4))
     model.loss.backward()

@@ -14,10 +14,12 @@ are refused in one line.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
+from dpkit.train.phases import PHASES
 from tests.harness import REPO, Launch, accelerate_cmd, deepspeed_cmd, run, torchrun_cmd
 
 RECIPE = "recipes/trainer_finetune.py"
@@ -232,6 +234,49 @@ def test_ddp_report_names_the_trainers_reducer_buckets_and_reaches_report_to(run
     logged = {event.step: event.value for event in accumulator.Scalars(tag)}
     assert sorted(logged) == [2, 3]
     assert logged[3] == pytest.approx(report["measured"]["model_state_total"] / MIB, rel=1e-6)
+
+
+def _printed_logs(output: str, first_key: str) -> list[dict[str, float]]:
+    """The ``time/*`` figures of each log line the Trainer printed (PrinterCallback, which
+    prints each value to 4 significant digits, quoted) that starts with ``first_key``."""
+    lines = [line for line in output.splitlines() if line.startswith(f"{{'{first_key}'")]
+    return [
+        {key: float(value) for key, value in re.findall(r"'(time/\w+)': '?([-+0-9.e]+)", line)}
+        for line in lines
+    ]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["ddp", "zero2"])
+def test_each_logged_step_says_where_its_time_went(runs, name):
+    """StepPhasesCallback: every training log line carries the step's phases (the main
+    process's clock on the model and optimizer the Trainer prepared, inside DDP's and
+    DeepSpeed's wrappers alike); they add up to the step figure and, over the run, to no
+    more than the Trainer's own train_runtime; report_to receives them."""
+    output = runs[name].check().output
+    steps = _printed_logs(output, "loss")
+    assert len(steps) == 3, output[-3000:]  # --logging_steps 1, --max_steps 3
+    for logs in steps:
+        phases = [logs[f"time/{phase}"] for phase in PHASES]
+        assert min(phases) >= 0, logs
+        assert logs["time/forward_s"] > 0 and logs["time/backward_s"] > 0, logs
+        assert logs["time/optimizer_s"] > 0, logs  # the update was found under the wrappers
+        assert logs["time/step_s"] == pytest.approx(sum(phases), rel=2e-3)
+    (summary,) = _printed_logs(output, "train_runtime")
+    assert summary == {}  # no step since the last line: nothing to add
+    runtime = float(re.search(r"'train_runtime': '?([0-9.]+)", output).group(1))
+    assert sum(logs["time/step_s"] for logs in steps) <= runtime
+    if name == "ddp":
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        (events,) = {p.parent for p in runs["ddp"].output_dir.rglob("events.out.tfevents.*")}
+        accumulator = EventAccumulator(str(events))
+        accumulator.Reload()
+        logged = accumulator.Scalars("train/time/backward_s")
+        assert [event.step for event in logged] == [1, 2, 3]
+        assert [event.value for event in logged] == pytest.approx(
+            [logs["time/backward_s"] for logs in steps], rel=1e-3
+        )
 
 
 @pytest.mark.multiprocess

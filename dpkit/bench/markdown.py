@@ -6,10 +6,9 @@ Everything here reads only the dict :func:`dpkit.bench.results.build_results` re
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
-from dpkit.bench.launch import FLOOR_RUN, repeat_name, trainer_run_name
+from dpkit.bench.launch import FLOOR_RUN, trainer_run_name
 from dpkit.bench.results import REFERENCE, max_relative_deviation, result_strategies
 from dpkit.memory.categories import MODEL_STATES
 from dpkit.strategy import get_strategy
@@ -211,17 +210,6 @@ def _run_table(results: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _over_repeats(runs: dict[str, Any], name: str, value: Any) -> float | None:
-    """The median over ``name``'s repeats of ``value(run)`` (None where a run has none)."""
-    values, repeat = [], 1
-    while repeat_name(name, repeat) in runs:
-        found = value(runs[repeat_name(name, repeat)])
-        if found is not None:
-            values.append(found)
-        repeat += 1
-    return statistics.median(values) if values else None
-
-
 PHASE_LABELS = {
     "data_s": "data",
     "forward_s": "forward",
@@ -234,12 +222,9 @@ PHASE_LABELS = {
 
 def _phase_table(results: dict[str, Any]) -> list[str]:
     """Where a step's time goes, per run (dpkit.StepPhases; medians over the repeats)."""
-    runs = results["runs"]
-    names = [name for name, run in runs.items() if run["repeat"] == 1 and run["median_phases_s"]]
-    if not names:
+    profile = results.get("phase_profile") or {}
+    if not profile:
         return []
-    floor = runs.get(FLOOR_RUN)
-    floor_backward = (floor or {}).get("median_phases_s", {}) or {}
     lines = [
         "",
         "Where a step's time goes on the main process (seconds; dpkit.StepPhases: hooks on "
@@ -258,21 +243,10 @@ def _phase_table(results: dict[str, Any]) -> list[str]:
         + " | backward + sync - floor's | DDP exposed allreduce |",
         "|---|" + "---:|" * (len(PHASES) + 2),
     ]
-    for name in names:
-        medians = {
-            phase: _over_repeats(runs, name, lambda run, p=phase: run["median_phases_s"][p])
-            for phase in PHASES
-        }
-        exposed = _over_repeats(
-            runs,
-            name,
-            lambda run: (run.get("ddp_timing") or {}).get("backward_comm_exposed_s"),
-        )
-        excess = (
-            sum(medians[p] - floor_backward[p] for p in ("backward_s", "grad_sync_s"))
-            if all(p in floor_backward for p in ("backward_s", "grad_sync_s")) and name != FLOOR_RUN
-            else None
-        )
+    for name, row in profile.items():
+        medians = row["phases_s"]
+        excess = row["backward_and_sync_over_floor_s"]
+        exposed = row["ddp_exposed_allreduce_s"]
         cells = [name, *(f"{medians[phase]:.3f}" for phase in PHASES)]
         cells += ["-" if excess is None else f"{excess:+.3f}"]
         cells += ["-" if exposed is None else f"{exposed:.3f}"]

@@ -16,7 +16,8 @@ Definitions (all in ``results.json``, with the raw per-step and per-rank figures
   ratio (``..._repeats`` holds every pair's);
 * floor/step: the compute floor's median step time (one rank alone, the same per-rank
   batch, no communication: ``runs["floor"]``) over the run's; 1 means no parallel
-  overhead, and 1 - floor/step is the share of a step that parallelism costs.
+  overhead, and 1 - floor/step is the share of a step that parallelism costs;
+* phase profile: where each run's step time goes (:func:`phase_profile`).
 
 Every strategy is compared with :data:`REFERENCE` (DDP, the full replica).
 """
@@ -24,6 +25,7 @@ Every strategy is compared with :data:`REFERENCE` (DDP, the full replica).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from dpkit.bench.launch import (
@@ -192,19 +194,64 @@ def _quotient(numerator: float | None, denominator: float | None) -> float | Non
     return numerator / denominator if numerator and denominator else None
 
 
+def _repeats(runs: dict[str, dict[str, Any]], *names: str) -> Iterator[list[dict[str, Any]]]:
+    """Each repeat (1, 2, ...) that every one of ``names`` ran: their runs, in that order."""
+    repeat = 1
+    while all(repeat_name(name, repeat) in runs for name in names):
+        yield [runs[repeat_name(name, repeat)] for name in names]
+        repeat += 1
+
+
 def repeated_ratios(
     runs: dict[str, dict[str, Any]], name: str, baseline: str, key: str
 ) -> list[float]:
     """``runs[name][key] / runs[baseline][key]`` for each repeat both ran (1, 2, ...)."""
-    ratios, repeat = [], 1
-    while repeat_name(name, repeat) in runs and repeat_name(baseline, repeat) in runs:
-        ratio = _quotient(
-            runs[repeat_name(name, repeat)][key], runs[repeat_name(baseline, repeat)][key]
+    ratios = (_quotient(ours[key], theirs[key]) for ours, theirs in _repeats(runs, name, baseline))
+    return [ratio for ratio in ratios if ratio is not None]
+
+
+def _median_over_repeats(
+    runs: dict[str, dict[str, Any]], name: str, value: Callable[[dict[str, Any]], float | None]
+) -> float | None:
+    """The median over ``name``'s repeats of ``value(run)`` (None where no run has one)."""
+    values = [value(run) for (run,) in _repeats(runs, name)]
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def phase_profile(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Where each run's step time goes (:class:`dpkit.StepPhases`), per run name:
+
+    * ``phases_s``: each phase's median over the timed steps, then over the repeats;
+    * ``backward_and_sync_over_floor_s``: backward + grad sync beyond the compute floor's
+      (one rank, no communication): what reducing gradients costs the step;
+    * ``ddp_exposed_allreduce_s``: DDP's own timing of the allreduce not overlapped with
+      the backward (median over the repeats; None outside DDP).
+    """
+    floor = runs.get(FLOOR_RUN, {}).get("median_phases_s") or {}
+    profile: dict[str, dict[str, Any]] = {}
+    for name, run in runs.items():
+        if run["repeat"] != 1 or not run["median_phases_s"]:
+            continue
+        phases = {
+            phase: _median_over_repeats(runs, name, lambda r, p=phase: r["median_phases_s"][p])
+            for phase in PHASES
+        }
+        reduction = ("backward_s", "grad_sync_s")
+        over_floor = (
+            sum(phases[p] - floor[p] for p in reduction)
+            if name != FLOOR_RUN and all(p in floor for p in reduction)
+            else None
         )
-        if ratio is not None:
-            ratios.append(ratio)
-        repeat += 1
-    return ratios
+        exposed = _median_over_repeats(
+            runs, name, lambda r: (r.get("ddp_timing") or {}).get("backward_comm_exposed_s")
+        )
+        profile[name] = {
+            "phases_s": phases,
+            "backward_and_sync_over_floor_s": over_floor,
+            "ddp_exposed_allreduce_s": exposed,
+        }
+    return profile
 
 
 def _against_baseline(
@@ -310,6 +357,7 @@ def build_results(
         "strategies": [s.name for s in strategies],
         "runs": runs,
         "comparison": comparison,
+        "phase_profile": phase_profile(runs),
         "collectives": collectives,
         "checks": checks(comparison, nproc, precision),
     }

@@ -21,6 +21,9 @@ memory report::
   It refuses, in one line, a run that trains unconnected copies or that asked for
   DeepSpeed and runs without it (both exit 0 silently otherwise: see
   :func:`check_trainer_run`).
+* :class:`StepPhasesCallback` adds where each step's time went (``time/*``: data,
+  forward, backward, gradient sync, optimizer, other; :class:`dpkit.StepPhases`) to the
+  Trainer's logs.
 * :func:`deepspeed_config` fills a DeepSpeed config's bucket and gradient-layout keys
   with dpkit's model-sized values (:mod:`dpkit.memory.settings`) and leaves the
   Trainer's own ``"auto"`` values (batch sizes, clipping, optimizer) to the Trainer.
@@ -55,17 +58,21 @@ from dpkit.train.deepspeed_config import (
 )
 from dpkit.train.ds_config_keys import check_ds_config_keys
 from dpkit.train.launch import check_ranks_per_gpu, local_process_count
+from dpkit.train.phases import PHASES, StepPhases
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "MemoryReportCallback",
+    "StepPhasesCallback",
     "check_trainer_run",
     "deepspeed_config",
     "device_arguments",
 ]
 
 REPORT_FILE = "memory_report.json"
+# The Trainer's evaluation and prediction log lines (their metric_key_prefix).
+EVAL_PREFIXES = ("eval_", "test_")
 
 # What the Trainer (transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig) or
 # accelerate fills in a DeepSpeed config: deepspeed_config() leaves these "auto".
@@ -327,6 +334,16 @@ def _calling_trainer(callback: TrainerCallback) -> Any | None:
         del frame
 
 
+def _log_first(callback: TrainerCallback, trainer: Any) -> None:
+    """Move ``callback`` to the front of the Trainer's list: the reporting callbacks
+    (wandb, tensorboard...) come before user callbacks there, and must see the scalars
+    ``callback`` adds to a step's logs."""
+    handler = getattr(trainer, "callback_handler", None)
+    if handler is not None:
+        handler.callbacks.remove(callback)
+        handler.callbacks.insert(0, callback)
+
+
 def _is_main() -> bool:
     from accelerate.state import PartialState
 
@@ -391,13 +408,7 @@ class MemoryReportCallback(TrainerCallback):
         """Refuse a run that is not the job the launcher started (before any step)."""
         check_trainer_run(args)
         self._trainer = _calling_trainer(self)
-        handler = getattr(self._trainer, "callback_handler", None)
-        if handler is not None:
-            # Reporting callbacks (wandb, tensorboard...) come before user callbacks in
-            # the Trainer's list: run first so that the memory scalars this callback
-            # adds to a step's logs reach them.
-            handler.callbacks.remove(self)
-            handler.callbacks.insert(0, self)
+        _log_first(self, self._trainer)
 
     def on_train_begin(
         self,
@@ -522,3 +533,72 @@ class MemoryReportCallback(TrainerCallback):
             return format_check(check_run(self.report_path.parent))
         except UsageError as err:
             return f"dpkit plan --against: not available for this run ({err})"
+
+
+class StepPhasesCallback(TrainerCallback):
+    """Where each optimizer step's time goes, in the Trainer's own logs.
+
+    Add it with ``Trainer(..., callbacks=[StepPhasesCallback()])``. The same clock as
+    dpkit's recipes (:class:`dpkit.StepPhases`: hooks on the model the Trainer prepared,
+    its loss and the ``torch.optim.Optimizer`` inside the Trainer's wrappers) splits
+    every step into ``data``, ``forward``, ``backward``, ``grad_sync`` (the gradient
+    reduction still in flight after the backward, and clipping), ``optimizer`` and
+    ``other``; each training log line gets their means over the steps since the last
+    one, in seconds of the main process (``time/forward_s``, ...; ``time/step_s`` their
+    sum), and so does ``report_to``. What the Trainer does between two steps
+    (logging, evaluation, saving) counts as the next step's ``data``.
+    """
+
+    def __init__(self) -> None:
+        self.phases: StepPhases | None = None
+        self._sums = dict.fromkeys(PHASES, 0.0)
+        self._steps = 0
+
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Go first, so that the loggers see the scalars this callback adds."""
+        _log_first(self, _calling_trainer(self))
+
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """Put the clock's hooks on the prepared model (the DDP wrapper or DeepSpeed's
+        engine, so their forward work counts) and optimizer."""
+        if self.phases is not None:  # a second train() on the same Trainer
+            self.phases.remove()
+        trainer = _calling_trainer(self)
+        wrapped = getattr(trainer, "model_wrapped", None) or model
+        self.phases = StepPhases(wrapped, optimizer)
+        self._sums = dict.fromkeys(PHASES, 0.0)
+        self._steps = 0
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Close the step's phases."""
+        if self.phases is None:
+            return
+        for phase, seconds in self.phases.take().items():
+            self._sums[phase] += seconds
+        self._steps += 1
+
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any
+    ) -> None:
+        """Add the mean phases of the steps since the last training log line."""
+        if not self._steps or logs is None or any(k.startswith(EVAL_PREFIXES) for k in logs):
+            return
+        means = {f"time/{phase}": total / self._steps for phase, total in self._sums.items()}
+        means["time/step_s"] = sum(means.values())
+        logs.update({key: round(value, 6) for key, value in means.items()})
+        self._sums = dict.fromkeys(PHASES, 0.0)
+        self._steps = 0
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Take the hooks off: evaluation and prediction after training run without them."""
+        if self.phases is not None:
+            self.phases.remove()
+            self.phases = None

@@ -18,21 +18,16 @@ from typing import Any
 
 import torch
 
+from dpkit.memory.walk import inner_torch_optimizer, is_zero_optimizer, unwrap_optimizer
+
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 FORMAT_VERSION = 1
 
 
 def _zero_optimizer(optimizer) -> Any | None:
     """DeepSpeed's ZeRO optimizer behind accelerate's wrapper, or None under DDP."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    return inner if hasattr(inner, "single_partition_of_fp32_groups") else None
-
-
-def _torch_optimizer(optimizer):
-    """The torch optimizer that holds the param groups (and, under DDP, the state)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    zero = _zero_optimizer(optimizer)
-    return zero.optimizer if zero is not None else inner
+    owner = unwrap_optimizer(optimizer)
+    return owner if is_zero_optimizer(owner) else None
 
 
 def full_fp32_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
@@ -86,7 +81,7 @@ def full_optimizer_state(accelerator, model, optimizer) -> dict | None:
     from deepspeed.utils import safe_get_full_optimizer_state
 
     module = accelerator.unwrap_model(model)
-    torch_opt = _torch_optimizer(optimizer)
+    torch_opt = inner_torch_optimizer(optimizer)
     zero = _zero_optimizer(optimizer)
     moments: dict[str, dict[str, torch.Tensor]] = {}
     steps = [
@@ -125,7 +120,7 @@ def load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
     from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
 
     module = accelerator.unwrap_model(model)
-    torch_opt = _torch_optimizer(optimizer)
+    torch_opt = inner_torch_optimizer(optimizer)
     zero = _zero_optimizer(optimizer)
     for group, lr in zip(torch_opt.param_groups, saved["param_group_lrs"], strict=True):
         group["lr"] = lr

@@ -79,21 +79,6 @@ def _backward_root(output: Any) -> Any:
     )
 
 
-def torch_optimizer(optimizer: Any) -> Any:
-    """The innermost ``torch.optim.Optimizer`` under accelerate's and DeepSpeed's wrappers
-    (each keeps the one it wraps as ``.optimizer``), or None."""
-    import torch
-
-    found = None
-    current = optimizer
-    while current is not None:
-        if isinstance(current, torch.optim.Optimizer):
-            found = current
-        inner = getattr(current, "optimizer", None)
-        current = inner if inner is not current else None
-    return found
-
-
 class StepPhases:
     """Per-step phase times of this rank (see the module docstring); :meth:`take` at the end of
     every optimizer step returns that step's and starts the next."""
@@ -104,7 +89,7 @@ class StepPhases:
             model: the prepared model (hooks go on the wrapper, so DDP's and the engine's
                 own work in forward counts as forward).
             optimizer: the prepared optimizer; the hooks go on the ``torch.optim.Optimizer``
-                inside it (:func:`torch_optimizer`). None, or none inside: no
+                inside it (:func:`dpkit.memory.walk.inner_torch_optimizer`). None, or none inside: no
                 ``optimizer_s`` (the time from the last forward on counts in ``other_s``).
         """
         self.model = model
@@ -115,7 +100,9 @@ class StepPhases:
             model.register_forward_pre_hook(lambda module, args: self._event("forward_start")),
             model.register_forward_hook(self._forward_end),
         ]
-        inner = torch_optimizer(optimizer)
+        from dpkit.memory.walk import inner_torch_optimizer
+
+        inner = inner_torch_optimizer(optimizer)
         if inner is not None:
             self._handles += [
                 inner.register_step_pre_hook(lambda *_: self._event("update_start")),
