@@ -82,6 +82,15 @@ def warm_recipe(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def recipe_runs(tmp_path_factory):
+    """The recipe's short runs under each launch form (tests/recipe_runs.py), each launched
+    once per session and shared by the modules that check them."""
+    from tests.recipe_runs import RecipeRuns
+
+    return RecipeRuns(tmp_path_factory.mktemp("recipe-runs"))
+
+
+@pytest.fixture(scope="session")
 def wheel_env(tmp_path_factory):
     """dpkit built as a wheel and installed into a fresh venv outside the checkout
     (tests/wheel_env.py); built once per session."""

@@ -1,8 +1,9 @@
 """The real recipe under every documented launch form, 2 CPU processes, real MiniLM and data.
 
-Each test reads from the run's own output (run_info.json, written after
-``accelerator.prepare`` from what torch/accelerate/DeepSpeed report) that the
-intended strategy, world size and backend really ran.
+The launches are tests/recipe_runs.py's, shared with the modules that check them
+otherwise (memory, two nodes). Each test reads from the run's own output
+(run_info.json, written after ``accelerator.prepare`` from what torch/accelerate/
+DeepSpeed report) that the intended strategy, world size and backend really ran.
 """
 
 from __future__ import annotations
@@ -13,72 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import (
-    SHORT_RUN,
-    accelerate_cmd,
-    deepspeed_cmd,
-    max_rel_diff,
-    python_cmd,
-    run,
-    torchrun_cmd,
-)
+from tests.harness import SHORT_RUN, max_rel_diff, python_cmd, run, torchrun_cmd
+from tests.recipe_runs import LAUNCHES
 
 pytestmark = pytest.mark.multiprocess
 
-# How each launch form is spelled, and what must really run under it.
-LAUNCHES = {
-    "python": (
-        lambda out: python_cmd(*SHORT_RUN, "--report-to", "tensorboard", "--output-dir", out),
-        ("ddp", 1, "NO", None),
-    ),
-    "accelerate_ddp_yaml": (
-        lambda out: accelerate_cmd(
-            ["--config_file", "ds_configs/accelerate/ddp.yaml"], *SHORT_RUN, "--output-dir", out
-        ),
-        ("ddp", 2, "MULTI_CPU", "gloo"),
-    ),
-    "accelerate_zero1_yaml": (
-        lambda out: accelerate_cmd(
-            ["--config_file", "ds_configs/accelerate/zero1.yaml"], *SHORT_RUN, "--output-dir", out
-        ),
-        ("zero1", 2, "DEEPSPEED", "gloo"),
-    ),
-    "accelerate_zero2_yaml": (
-        lambda out: accelerate_cmd(
-            ["--config_file", "ds_configs/accelerate/zero2.yaml"], *SHORT_RUN, "--output-dir", out
-        ),
-        ("zero2", 2, "DEEPSPEED", "gloo"),
-    ),
-    "accelerate_multi_gpu": (
-        lambda out: accelerate_cmd(
-            ["--multi_gpu", "--num_processes", "2"], *SHORT_RUN, "--output-dir", out
-        ),
-        ("ddp", 2, "MULTI_CPU", "gloo"),
-    ),
-    "deepspeed_zero2": (
-        lambda out: deepspeed_cmd(
-            2, *SHORT_RUN, "--deepspeed", "ds_configs/zero2.json", "--output-dir", out
-        ),
-        ("zero2", 2, "DEEPSPEED", "gloo"),
-    ),
-}
 
-_cache: dict[str, object] = {}
-
-
-@pytest.fixture(scope="module")
-def launched(module_tmp):
-    """Run each launch form at most once; the equivalence tests reuse them."""
-
-    def get(name: str):
-        if name not in _cache:
-            out = module_tmp / name
-            build, _ = LAUNCHES[name]
-            _cache[name] = run(build(str(out)), out).check()
-        return _cache[name]
-
-    yield get
-    _cache.clear()
+@pytest.fixture
+def launched(recipe_runs):
+    """Each launch form of tests/recipe_runs.py, run at most once per session."""
+    return recipe_runs
 
 
 def test_deepspeed_launcher_run_leaves_no_shared_memory_behind(launched):

@@ -36,7 +36,7 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the recipe's default model
 
 WORLD_SIZES = (2, 4)
 MICRO_BATCH = 8
-# Two optimizer steps: the first creates the optimizer state, the second is a
+# At 4 processes, two optimizer steps: the first creates the optimizer state, the second is a
 # steady-state step with every buffer in place. No evaluation during training.
 MEMORY_RUN = [
     "--max-steps", "2",
@@ -59,32 +59,55 @@ RESIDUAL_HOLDERS = (
     "keeps a whole parameter's gradient alive",  # (c') the same, as a view of (a)
 )
 
-_reports: dict[tuple[str, int], dict] = {}
+# At 2 processes the runs are tests/recipe_runs.py's (SHORT_RUN: 6 steps, micro-batch
+# 16), launched once for the session and shared with tests/test_launchers.py: the model
+# states a rank holds do not depend on the batch or the step count.
+SHARED_AT_2 = {
+    "ddp": "accelerate_multi_gpu",
+    "zero1": "accelerate_zero1_yaml",
+    "zero2": "deepspeed_zero2",
+}
 
 
-def launch_report(strategy: str, world_size: int, root: Path) -> dict:
-    """Run the recipe once per (strategy, N) and return its memory_report.json."""
-    key = (strategy, world_size)
-    if key not in _reports:
-        out = root / f"{strategy}-{world_size}"
-        args = [
-            *MEMORY_RUN,
-            "--strategy", strategy,
-            "--max-train-samples", str(MICRO_BATCH * world_size * 2),
-            "--output-dir", str(out),
-        ]  # fmt: skip
-        if strategy == "ddp":
-            cmd = accelerate_cmd(["--multi_gpu", "--num_processes", str(world_size)], *args)
-        else:
-            cmd = deepspeed_cmd(world_size, *args)
-        run(cmd, out).check()
-        _reports[key] = json.loads((out / "memory_report.json").read_text())
-    return _reports[key]
+class MemoryRuns:
+    """The recipe under each strategy at each world size, launched once on first use."""
+
+    def __init__(self, root: Path, recipe_runs) -> None:
+        self.root = root
+        self.recipe_runs = recipe_runs
+        self._reports: dict[tuple[str, int], dict] = {}
+
+    def run_dir(self, strategy: str, world_size: int) -> Path:
+        """The run's output folder, launching it first if it has not run."""
+        if world_size == 2:
+            return self.recipe_runs(SHARED_AT_2[strategy]).output_dir
+        out = self.root / f"{strategy}-{world_size}"
+        if not out.exists():
+            args = [
+                *MEMORY_RUN,
+                "--strategy", strategy,
+                "--max-train-samples", str(MICRO_BATCH * world_size * 2),
+                "--output-dir", str(out),
+            ]  # fmt: skip
+            if strategy == "ddp":
+                cmd = accelerate_cmd(["--multi_gpu", "--num_processes", str(world_size)], *args)
+            else:
+                cmd = deepspeed_cmd(world_size, *args)
+            run(cmd, out).check()
+        return out
+
+    def report(self, strategy: str, world_size: int) -> dict:
+        """The run's memory_report.json."""
+        key = (strategy, world_size)
+        if key not in self._reports:
+            path = self.run_dir(strategy, world_size) / "memory_report.json"
+            self._reports[key] = json.loads(path.read_text())
+        return self._reports[key]
 
 
 @pytest.fixture(scope="module")
-def runs_root(module_tmp) -> Path:
-    return module_tmp
+def runs(module_tmp, recipe_runs) -> MemoryRuns:
+    return MemoryRuns(module_tmp, recipe_runs)
 
 
 @functools.cache
@@ -113,15 +136,14 @@ def gradient_partition(row: dict) -> float:
     return gradient_partition_bytes(row) or 0.0
 
 
-def plan_grads(root: Path, strategy: str, world_size: int) -> float:
+def plan_grads(run_dir: Path) -> float:
     """dpkit plan's gradient bytes for the run's worst rank, from DeepSpeed's layout."""
-    return plan_check.check_run(root / f"{strategy}-{world_size}").predicted["grads"]
+    return plan_check.check_run(run_dir).predicted["grads"]
 
 
-def layout_grads_per_rank(root: Path, strategy: str, world_size: int) -> tuple[list[float], int]:
+def layout_grads_per_rank(run_dir: Path, strategy: str, world_size: int) -> tuple[list[float], int]:
     """dpkit.memory.zero_layout's gradient high-water of every rank for the run's own
     settings, and the run's reduce bucket in bytes."""
-    run_dir = root / f"{strategy}-{world_size}"
     zero = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]
     spec = minilm_spec()
     rows = gradient_high_water(
@@ -136,7 +158,7 @@ def layout_grads_per_rank(root: Path, strategy: str, world_size: int) -> tuple[l
     return [r.bytes for r in sorted(rows, key=lambda r: r.rank)], 4 * zero["reduce_bucket_size"]
 
 
-def check_zero2_gradients(ddp: dict, zero2: dict, root: Path) -> None:
+def check_zero2_gradients(ddp: dict, zero2: dict, run_dir: Path) -> None:
     """ZeRO-2's gradient partition is DDP's gradients / N; what a rank holds beyond it is
     named, and bounded by the layout: the worst rank within 2% of dpkit plan's figure
     (measured: exact), every rank within its own layout figure plus one reduce bucket
@@ -145,8 +167,8 @@ def check_zero2_gradients(ddp: dict, zero2: dict, root: Path) -> None:
     where these bounds allow 53."""
     n = zero2["world_size"]
     ddp_grads = max(r["grads"] for r in ddp["ranks"])
-    layout, bucket_bytes = layout_grads_per_rank(root, "zero2", n)
-    worst_planned = plan_grads(root, "zero2", n)
+    layout, bucket_bytes = layout_grads_per_rank(run_dir, "zero2", n)
+    worst_planned = plan_grads(run_dir)
     assert max(layout) == worst_planned
     for row in zero2["ranks"]:
         where = f"zero2 N={n} rank {row['rank']} ({row['high_water_points']['grads']})"
@@ -198,26 +220,27 @@ def check_model_states(report: dict, layout_grads: float) -> None:
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_zero_optimizer_state_is_ddp_divided_by_n(runs_root, world_size):
-    ddp = launch_report("ddp", world_size, runs_root)
+def test_zero_optimizer_state_is_ddp_divided_by_n(runs, world_size):
+    ddp = runs.report("ddp", world_size)
     for strategy in ("zero1", "zero2"):
-        check_optimizer_sharded(ddp, launch_report(strategy, world_size, runs_root))
+        check_optimizer_sharded(ddp, runs.report(strategy, world_size))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
-def test_zero2_gradient_partition_is_ddp_divided_by_n(runs_root, world_size):
-    ddp = launch_report("ddp", world_size, runs_root)
-    check_zero2_gradients(ddp, launch_report("zero2", world_size, runs_root), runs_root)
+def test_zero2_gradient_partition_is_ddp_divided_by_n(runs, world_size):
+    ddp = runs.report("ddp", world_size)
+    zero2 = runs.report("zero2", world_size)
+    check_zero2_gradients(ddp, zero2, runs.run_dir("zero2", world_size))
 
 
-def test_zero2_holds_fewer_gradient_bytes_than_zero1_at_4_processes(runs_root):
+def test_zero2_holds_fewer_gradient_bytes_than_zero1_at_4_processes(runs):
     """At N=4, rank by rank, ZeRO-2's gradient high-water is at most ZeRO-1's, and over the
     ranks it is well below. Not on the worst rank: MiniLM's word embedding (52% of Psi)
     straddles rank 2's partition, whose step holds that whole gradient, its partition
     and the step's flat copy under both stages (91.6 MB both, measured; dpkit plan says
     the same). A ZeRO-2 keeping every gradient would hold at least DDP's 4 Psi on every rank."""
     ranks = {
-        s: [r["grads"] for r in sorted(launch_report(s, 4, runs_root)["ranks"], key=_rank)]
+        s: [r["grads"] for r in sorted(runs.report(s, 4)["ranks"], key=_rank)]
         for s in ("zero1", "zero2")
     }
     for rank, (one, two) in enumerate(zip(ranks["zero1"], ranks["zero2"], strict=True)):
@@ -232,28 +255,25 @@ def _rank(row: dict) -> int:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_model_states_match_the_analytic_core_or_the_residual_is_named(
-    runs_root, strategy, world_size
-):
-    report = launch_report(strategy, world_size, runs_root)
+def test_model_states_match_the_analytic_core_or_the_residual_is_named(runs, strategy, world_size):
+    report = runs.report(strategy, world_size)
     assert report["world_size"] == world_size == len(report["ranks"])
-    check_model_states(report, plan_grads(runs_root, strategy, world_size))
+    check_model_states(report, plan_grads(runs.run_dir(strategy, world_size)))
     if strategy == "ddp":
         # Full replication: DDP is the prediction itself, buffers included (bucket views).
         assert all(abs(e) < 1.0 for e in report["error_pct"].values() if e is not None)
 
 
-def test_ddp_per_rank_bytes_do_not_depend_on_world_size(runs_root):
+def test_ddp_per_rank_bytes_do_not_depend_on_world_size(runs):
     totals = {
-        n: {r["model_state_total"] for r in launch_report("ddp", n, runs_root)["ranks"]}
-        for n in WORLD_SIZES
+        n: {r["model_state_total"] for r in runs.report("ddp", n)["ranks"]} for n in WORLD_SIZES
     }
     assert len(set.union(*totals.values())) == 1, totals
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_saved_report_is_complete(runs_root, strategy):
-    data = launch_report(strategy, 2, runs_root)
+def test_saved_report_is_complete(runs, strategy):
+    data = runs.report(strategy, 2)
     report = MemoryReport.from_dict(data)
     assert report.to_dict()["savings"] == data["savings"]
     for row in data["ranks"]:
@@ -279,9 +299,8 @@ PLAN_CATEGORY_TOLERANCE_PCT = 2.0
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
-def test_plan_predicts_the_measured_model_states(runs_root, strategy, world_size):
-    launch_report(strategy, world_size, runs_root)
-    check = plan_check.check_run(runs_root / f"{strategy}-{world_size}")
+def test_plan_predicts_the_measured_model_states(runs, strategy, world_size):
+    check = plan_check.check_run(runs.run_dir(strategy, world_size))
     table = plan_check.format_check(check)
     assert check.world_size == world_size and check.strategy == strategy
     errors = check.error_pct
@@ -301,11 +320,11 @@ LM_RECIPE = str(REPO / "recipes" / "train_lm.py")
 
 @pytest.mark.parametrize("world_size", [4])  # N=2: the tiny bench of tests/test_bench.py
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
-def test_plan_predicts_contiguous_gradients_too(runs_root, strategy, world_size):
+def test_plan_predicts_contiguous_gradients_too(runs, strategy, world_size):
     """The tiny GPT-2 shape: its tied word embedding (2^21 elements) fits the bucket, so
     dpkit keeps contiguous_gradients on; DeepSpeed then reduces through its pre-sized
     partition buffer, which the layout model follows bucket by bucket."""
-    out = runs_root / f"lm-{strategy}-{world_size}"
+    out = runs.root / f"lm-{strategy}-{world_size}"
     cmd = [
         str(BIN / "deepspeed"), "--num_gpus", str(world_size), "--master_port", str(free_port()),
         LM_RECIPE, "--strategy", strategy, "--size", "tiny", "--synthetic", "--seq-len", "64",
@@ -321,9 +340,8 @@ def test_plan_predicts_contiguous_gradients_too(runs_root, strategy, world_size)
             assert abs(check.error_pct[category]) <= PLAN_CATEGORY_TOLERANCE_PCT, table
 
 
-def test_plan_against_prints_the_comparison(runs_root):
-    launch_report("zero2", 2, runs_root)
-    run_dir = runs_root / "zero2-2"
+def test_plan_against_prints_the_comparison(runs):
+    run_dir = runs.run_dir("zero2", 2)
     done = run_captured([str(BIN / "dpkit"), "plan", "--against", str(run_dir)])
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()

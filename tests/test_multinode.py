@@ -16,10 +16,8 @@ from tests.harness import (
     BIN,
     RECIPE,
     SHORT_RUN,
-    accelerate_cmd,
     free_port,
     max_rel_diff,
-    run,
     run_nodes,
 )
 
@@ -74,11 +72,9 @@ TWO_NODES = {
     "torchrun_zero2": ("zero2", "DEEPSPEED", torchrun_node("--strategy", "zero2"), True),
 }
 
-# The 1 node x 2 processes run each two-node run is compared with.
-REFERENCES = {
-    "ddp": ["--config_file", "ds_configs/accelerate/ddp.yaml"],
-    "zero2": ["--config_file", "ds_configs/accelerate/zero2.yaml"],
-}
+# The 1 node x 2 processes run each two-node run is compared with: the same recipe
+# arguments and YAML under one `accelerate launch` (tests/recipe_runs.py).
+ONE_NODE = {"ddp": "accelerate_ddp_yaml", "zero2": "accelerate_zero2_yaml"}
 
 # Same strategy, same world size, same global ranks: the data shard, the reduction
 # and the optimizer are identical, and the losses were bit-identical here for every
@@ -87,22 +83,11 @@ REFERENCES = {
 # test_launchers) and below what a rank training on the wrong shard would show.
 SAME_STRATEGY_RTOL = 1e-5
 
-_references: dict[str, object] = {}
 
-
-@pytest.fixture(scope="module")
-def one_node(module_tmp):
-    """The 1 node x 2 processes reference of a strategy, launched at most once."""
-
-    def get(strategy: str):
-        if strategy not in _references:
-            out = module_tmp / f"one_node_{strategy}"
-            cmd = accelerate_cmd(REFERENCES[strategy], *SHORT_RUN, "--output-dir", str(out))
-            _references[strategy] = run(cmd, out).check()
-        return _references[strategy]
-
-    yield get
-    _references.clear()
+@pytest.fixture
+def one_node(recipe_runs):
+    """The 1 node x 2 processes run of a strategy (shared with tests/test_launchers.py)."""
+    return lambda strategy: recipe_runs(ONE_NODE[strategy])
 
 
 @pytest.mark.parametrize("name", list(TWO_NODES))

@@ -449,6 +449,7 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
         (["--params", "1B", "--gpu-memory=-5GiB"], "--gpu-memory", "-5GiB"),
         (["--params", "1B", "--micro-batch", "0"], "--micro-batch", "0"),
         (["--params", "1B", "--micro-batch", "-1"], "--micro-batch", "-1"),
+        (["--params", "1B", "--gradient-accumulation-steps", "0"], "--gradient-accumulation-steps", "0"),
         (["--params", "1B", "--seq-len", "0"], "--seq-len", "0"),
         (["--params", "1B", "--precision", "fp8"], "--precision", "fp8"),
         (["--params", "1B", "--optimizer", "lion"], "--optimizer", "lion"),

@@ -296,7 +296,11 @@ def optimizer_groups(optimizer: Any) -> list[list[torch.nn.Parameter]]:
 
 
 def model_record(
-    model: torch.nn.Module, optimizer: Any, micro_batch_size: int, name: str | None = None
+    model: torch.nn.Module,
+    optimizer: Any,
+    micro_batch_size: int,
+    name: str | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> dict[str, Any]:
     """What ``dpkit plan --against`` needs of a Trainer run: the live model's layout
     (:func:`dpkit.plan.inputs.spec_record`) with the optimizer's own groups."""
@@ -308,6 +312,7 @@ def model_record(
     record = spec_record(spec)
     record["class"] = type(model).__name__
     record["micro_batch_size"] = int(micro_batch_size)
+    record["gradient_accumulation_steps"] = int(gradient_accumulation_steps)
     return record
 
 
@@ -474,6 +479,7 @@ class MemoryReportCallback(TrainerCallback):
             optimizer,
             args.per_device_train_batch_size,
             self.model_name,
+            args.gradient_accumulation_steps,
         )
         self.report_path = Path(args.output_dir) / REPORT_FILE
 

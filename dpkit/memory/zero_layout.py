@@ -16,6 +16,11 @@ the sizes and order of the parameters, not only on their total:
    gradient partition into a new tensor (``flatten``; a view when the partition lies
    in one parameter) and casts it to fp32 for the master's ``.grad``, while the
    gradients it copies, and those of the groups not stepped yet, are still held.
+4. **Accumulation (ZeRO-2).** Between the micro-batches of one step the epilogue of
+   each backward keeps the gradients of every parameter touching the rank's partition,
+   whole (``all_grad_tensors``), and adds the next backward's into them: the next
+   backward runs beside them (measured on MiniLM, 2 ranks, fp32: the worst rank's
+   gradients 129.9 MiB at one micro-batch a step, 173.2 MiB at two).
 
 ZeRO-1 keeps every full gradient until backward ends (``reduce_gradients``), then
 reduces them in order, then steps as ZeRO-2 does. With ``contiguous_gradients`` both
@@ -188,6 +193,7 @@ def gradient_high_water(
     reduce_bucket_size: int,
     contiguous_gradients: bool,
     arrival: Sequence[tuple[int, int]] | None = None,
+    accumulation_steps: int = 1,
 ) -> list[GradientHighWater]:
     """Per rank, the largest gradient bytes DeepSpeed ZeRO ``stage`` (1 or 2) holds.
 
@@ -203,6 +209,10 @@ def gradient_high_water(
         arrival: (group, index) of every parameter in the order backward produces
             their gradients (ZeRO-2 with contiguous gradients reduces in that order);
             default: the groups' order reversed.
+        accumulation_steps: micro-batches per optimizer step. Above 1, ZeRO-2 without
+            contiguous gradients holds the accumulated whole gradients of its
+            partition's parameters beside a backward (reason 4 above); with contiguous
+            gradients that path was not measured and is not modelled.
     """
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage}")
@@ -237,6 +247,10 @@ def gradient_high_water(
             backward["backward (partition + a parameter larger than the bucket)"] = (
                 module_bytes * held
             )
+            if accumulation_steps > 1:
+                backward[
+                    "backward of a later micro-batch (accumulated whole gradients + its own)"
+                ] = module_bytes * (sum(whole) + held)
         for i, part in enumerate(parts):
             still_held = module_bytes * sum(whole[i:])
             copies = part.last_rank or part.tensors_in_partition > 1

@@ -119,6 +119,18 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
     raise UsageError(f"{where}: not from recipes/finetune.py or recipes/train_lm.py")
 
 
+def _accumulation(run_dir: Path, report: dict[str, Any]) -> int:
+    """The run's micro-batches per step: a recipe's run_info.json, a Trainer report's
+    model record; 1 where neither says (reports written before either recorded it)."""
+    info_path = run_dir / "run_info.json"
+    if isinstance(report.get("model"), dict):
+        return int(report["model"].get("gradient_accumulation_steps") or 1)
+    if info_path.is_file():
+        info = _read_json(info_path, "written at the start of every run")
+        return int(info.get("gradient_accumulation_steps") or 1)
+    return 1
+
+
 def check_run(run_dir: str | Path) -> PlanCheck:
     """Plan for the run in ``run_dir`` with its own inputs and compare with its report."""
     run_dir = Path(run_dir)
@@ -145,6 +157,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         precision=precision,
         optimizer=report.get("optimizer", "adamw"),
         micro_batch=micro_batch,
+        gradient_accumulation_steps=_accumulation(run_dir, report),
         seq_len=seq_len,
     )
     settings = _run_settings(report, buffer_settings(spec, world_size))

@@ -86,6 +86,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     step.add_argument("--micro-batch", metavar="N", default="1", help="samples per GPU; default: 1")
     step.add_argument(
+        "--gradient-accumulation-steps",
+        metavar="N",
+        default="1",
+        help="micro-batches per optimizer step (ZeRO-2 holds more gradients with more than "
+        "one); default: 1",
+    )
+    step.add_argument(
         "--seq-len",
         metavar="N",
         default=None,
@@ -157,6 +164,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     reserve = parse_memory(args.reserve, "--reserve")
     headroom = parse_fraction(args.headroom, "--headroom")
     micro_batch = parse_positive_int(args.micro_batch, "--micro-batch")
+    accumulation = parse_positive_int(
+        args.gradient_accumulation_steps, "--gradient-accumulation-steps"
+    )
     seq_len = None if args.seq_len is None else parse_positive_int(args.seq_len, "--seq-len")
     if args.params is not None:
         spec = ModelSpec(name=args.params, source="count", num_params=parse_count(args.params))
@@ -172,6 +182,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         precision=precision,
         optimizer=optimizer,
         micro_batch=micro_batch,
+        gradient_accumulation_steps=accumulation,
         seq_len=seq_len,
         activation_checkpointing=args.activation_checkpointing,
         attention=attention,

@@ -237,6 +237,7 @@ def gradient_layout(
         settings["reduce_bucket_size"],
         settings["contiguous_gradients"],
         inputs.model.param_order[::-1] or None,
+        inputs.gradient_accumulation_steps,
     )
 
 
@@ -249,6 +250,7 @@ def _worst_rank_gradients(
     reduce_bucket_size: int,
     contiguous_gradients: bool,
     arrival: tuple[tuple[int, int], ...] | None,
+    accumulation_steps: int,
 ) -> GradientHighWater:
     # Cached: the micro-batch search asks for the same layout dozens of times.
     ranks = gradient_high_water(
@@ -259,6 +261,7 @@ def _worst_rank_gradients(
         reduce_bucket_size=reduce_bucket_size,
         contiguous_gradients=contiguous_gradients,
         arrival=arrival,
+        accumulation_steps=accumulation_steps,
     )
     worst = max(ranks, key=lambda r: r.bytes)
     # The peak of each phase may sit on another rank than the overall high-water.

@@ -322,6 +322,8 @@ class PlanInputs:
     """``adamw``, ``sgd``, ``sgd_momentum``, or ``cpu_adam`` (offload only)."""
     micro_batch: int = 1
     """Samples per GPU per forward."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (ZeRO-2 holds more gradients when above 1)."""
     seq_len: int = 1024
     """Tokens per sample."""
     activation_checkpointing: bool = False
@@ -341,6 +343,12 @@ class PlanInputs:
             ("--nodes", self.nodes, self.nodes > 0, "must be positive"),
             ("--gpu-memory", self.gpu_memory, self.gpu_memory > 0, "must be positive"),
             ("--micro-batch", self.micro_batch, self.micro_batch > 0, "must be positive"),
+            (
+                "--gradient-accumulation-steps",
+                self.gradient_accumulation_steps,
+                self.gradient_accumulation_steps > 0,
+                "must be positive",
+            ),
             ("--seq-len", self.seq_len, self.seq_len > 0, "must be positive"),
             ("--reserve", self.reserve, self.reserve >= 0, "must not be negative"),
             ("--headroom", self.headroom, 0 <= self.headroom < 1, "must be in [0, 1)"),

@@ -40,7 +40,8 @@ def _describe_inputs(inputs: PlanInputs) -> list[str]:
         f"{format_gib(inputs.gpu_memory)}; usable per GPU {format_gib(inputs.usable)} "
         f"({inputs.headroom:.0%} headroom kept free)",
         f"step: {precision}, {inputs.optimizer}, micro-batch {inputs.micro_batch} x "
-        f"{inputs.seq_len} tokens, activation checkpointing "
+        f"{inputs.seq_len} tokens, accumulation {inputs.gradient_accumulation_steps}, "
+        "activation checkpointing "
         f"{'on' if inputs.activation_checkpointing else 'off'}, attention {inputs.attention}",
     ]
 
@@ -189,6 +190,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "precision": inputs.precision,
             "optimizer": inputs.optimizer,
             "micro_batch": inputs.micro_batch,
+            "gradient_accumulation_steps": inputs.gradient_accumulation_steps,
             "seq_len": inputs.seq_len,
             "activation_checkpointing": inputs.activation_checkpointing,
             "attention": inputs.attention,

@@ -165,6 +165,7 @@ class MemoryPlan:
             gpu_memory=max(self.settings.memory_budget or 0, 2**40),
             precision=self.precision,
             micro_batch=candidate.micro_batch_size,
+            gradient_accumulation_steps=candidate.gradient_accumulation_steps,
             seq_len=self.seq_len,
             reserve=0,
             headroom=0.0,

@@ -1,0 +1,71 @@
+"""The recipe's short runs under every documented launch form, shared by the modules that check them.
+
+Each named run (2 CPU processes unless said, real MiniLM and data, ``SHORT_RUN``) is
+launched at most once per test session, on first use, by the session fixture
+``recipe_runs`` (tests/conftest.py): tests/test_launchers.py checks what each launch form
+runs, tests/test_memory_multiprocess.py the memory report of its 2-process DDP,
+ZeRO-1 and ZeRO-2 runs, tests/test_multinode.py compares two nodes with its
+one-node runs. One launch, checked many ways, instead of the same launch per module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from tests.harness import SHORT_RUN, Launch, accelerate_cmd, deepspeed_cmd, python_cmd, run
+
+# name: (command for an output folder, what must really run under it:
+#        (strategy, world size, accelerate's distributed type, backend))
+LAUNCHES: dict[str, tuple[Callable[[str], list[str]], tuple[str, int, str, str | None]]] = {
+    "python": (
+        lambda out: python_cmd(*SHORT_RUN, "--report-to", "tensorboard", "--output-dir", out),
+        ("ddp", 1, "NO", None),
+    ),
+    "accelerate_ddp_yaml": (
+        lambda out: accelerate_cmd(
+            ["--config_file", "ds_configs/accelerate/ddp.yaml"], *SHORT_RUN, "--output-dir", out
+        ),
+        ("ddp", 2, "MULTI_CPU", "gloo"),
+    ),
+    "accelerate_zero1_yaml": (
+        lambda out: accelerate_cmd(
+            ["--config_file", "ds_configs/accelerate/zero1.yaml"], *SHORT_RUN, "--output-dir", out
+        ),
+        ("zero1", 2, "DEEPSPEED", "gloo"),
+    ),
+    "accelerate_zero2_yaml": (
+        lambda out: accelerate_cmd(
+            ["--config_file", "ds_configs/accelerate/zero2.yaml"], *SHORT_RUN, "--output-dir", out
+        ),
+        ("zero2", 2, "DEEPSPEED", "gloo"),
+    ),
+    "accelerate_multi_gpu": (
+        lambda out: accelerate_cmd(
+            ["--multi_gpu", "--num_processes", "2"], *SHORT_RUN, "--output-dir", out
+        ),
+        ("ddp", 2, "MULTI_CPU", "gloo"),
+    ),
+    "deepspeed_zero2": (
+        lambda out: deepspeed_cmd(
+            2, *SHORT_RUN, "--deepspeed", "ds_configs/zero2.json", "--output-dir", out
+        ),
+        ("zero2", 2, "DEEPSPEED", "gloo"),
+    ),
+}
+
+
+class RecipeRuns:
+    """``runs(name)``: the named launch, run on first use into ``root / name`` and checked
+    to have exited 0; the same :class:`~tests.harness.Launch` afterwards."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._done: dict[str, Launch] = {}
+
+    def __call__(self, name: str) -> Launch:
+        if name not in self._done:
+            out = self.root / name
+            build, _ = LAUNCHES[name]
+            self._done[name] = run(build(str(out)), out).check()
+        return self._done[name]
