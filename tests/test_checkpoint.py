@@ -19,7 +19,16 @@ import torch
 
 from dpkit.errors import UsageError
 from dpkit.train import checkpoint
-from tests.harness import REPO, accelerate_cmd, max_rel_diff, python_cmd, run, score_model_folder
+from tests.harness import (
+    BIN,
+    REPO,
+    accelerate_cmd,
+    max_rel_diff,
+    python_cmd,
+    run,
+    run_captured,
+    score_model_folder,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -105,7 +114,9 @@ def _check_continues(ref, resumed, rtol: float) -> None:
     assert max(after) - min(after) > 10 * rtol * max(after)
 
 
-@pytest.mark.parametrize("name", ["ddp", "zero1", "zero2", "ddp_accumulation"])
+# zero2 resumes the same way in test_interrupted_save_leaves_the_previous_checkpoint_in_use,
+# which checks the same continuation on its one launch.
+@pytest.mark.parametrize("name", ["ddp", "zero1", "ddp_accumulation"])
 def test_resumed_run_equals_the_uninterrupted_one(reference, tmp_path, name):
     ref = reference(name)
     strategy, nproc, args = REFERENCES[name]
@@ -249,8 +260,11 @@ def test_truncated_checkpoint_is_refused_before_anything_starts(reference, tmp_p
 
 
 def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_path):
-    """A save killed half-way leaves a .tmp-step-* folder; --resume latest skips it."""
-    run_dir = _copy_run(reference("zero2"), tmp_path / "run")
+    """A save killed half-way leaves a .tmp-step-* folder; --resume latest skips it, and
+    the ZeRO-2 run resumed from step 3 equals the uninterrupted one (as the other
+    strategies do in test_resumed_run_equals_the_uninterrupted_one)."""
+    ref = reference("zero2")
+    run_dir = _copy_run(ref, tmp_path / "run")
     ckpts = run_dir / "checkpoints"
     partial = ckpts / ".tmp-step-000006"
     (ckpts / "step-000006").rename(partial)
@@ -271,12 +285,18 @@ def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_p
         ),  # fmt: skip
         run_dir,
     ).check()
-    assert "resuming from step 3" in resumed.output
+    assert "resuming from step 3 (epoch 0, 96 examples in)" in resumed.output
+    assert "RNG streams not restored" not in resumed.output
     # The log of the continued run: steps 1-3 kept, 4-6 written again, equal to before.
-    log = (run_dir / "train_log.jsonl").read_text().splitlines()
-    assert [json.loads(x)["step"] for x in log] == [1, 2, 3, 4, 5, 6]
-    before = [json.loads(x)["loss"] for x in ref_log]
-    assert max_rel_diff([json.loads(x)["loss"] for x in log], before) < SAME_RUN_RTOL
+    log = [json.loads(x) for x in (run_dir / "train_log.jsonl").read_text().splitlines()]
+    before = [json.loads(x) for x in ref_log]
+    assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
+    assert max_rel_diff([r["loss"] for r in log], [r["loss"] for r in before]) < SAME_RUN_RTOL
+    assert [r["lr"] for r in log] == pytest.approx([r["lr"] for r in before], rel=1e-12)
+    after = [r["loss"] for r in before][3:]  # the trajectory moves
+    assert max(after) - min(after) > 10 * SAME_RUN_RTOL * max(after)
+    # The final evaluation sees the same weights.
+    assert resumed.final("test")["accuracy"] == ref.final("test")["accuracy"]
     # The new save replaced the partial folder.
     assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step-000003", "step-000006"]
     assert not list(ckpts.glob(".tmp-*"))
@@ -294,3 +314,27 @@ def test_resume_refusals_name_the_problem(reference, tmp_path):
     path, state = checkpoint.resolve_resume(str(_step3(reference("zero2"))), str(empty))
     with pytest.raises(UsageError, match=r"written with global batch 32, this run's is 64"):
         checkpoint.check_resumable(state, path, global_batch_size=64)
+
+
+def test_dpkit_checkpoint_consolidates_to_its_model_files(reference, tmp_path):
+    """``dpkit consolidate`` of the ZeRO-2 run's last checkpoint (2 processes): a model
+    folder that plain transformers scores as the run scored its live engine."""
+    ref = reference("zero2")
+    step6 = ref.output_dir / "checkpoints" / "step-000006"
+    out = tmp_path / "model"
+    done = run_captured([str(BIN / "dpkit"), "consolidate", str(step6), "--output-dir", str(out)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dpkit checkpoint at step 6 (zero2, 2 processes)" in done.stdout
+    assert not (out / "optimizer.pt").exists()
+    # Independent of how the checkpoint was written: the consolidated folder, scored by
+    # plain transformers, gives the test loss the run measured on its live ZeRO engine
+    # after the same 6 steps (--max-eval-samples 48, --max-seq-length 32).
+    scored = score_model_folder(out, samples=48, max_length=32)
+    assert scored["deepspeed_imported"] is False
+    final = ref.final("test")
+    assert final["step"] == 6
+    assert scored["loss"] == pytest.approx(final["loss"], rel=1e-5)
+    assert scored["accuracy"] == pytest.approx(final["accuracy"], abs=1e-6)
+    # A non-empty output folder is not overwritten by accident.
+    again = run_captured([str(BIN / "dpkit"), "consolidate", str(step6), "--output-dir", str(out)])
+    assert again.returncode == 2 and "not empty; pass --overwrite" in again.stderr
