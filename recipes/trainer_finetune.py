@@ -3,7 +3,8 @@
 The Trainer code people already have, with two callbacks added
 (:class:`dpkit.integrations.transformers.MemoryReportCallback`, and
 :class:`~dpkit.integrations.transformers.StepPhasesCallback`: where each step's time
-goes, in the Trainer's logs) and DeepSpeed's buckets sized to the model (:func:`~dpkit.integrations.transformers.deepspeed_config`).
+goes, in the Trainer's logs) and DeepSpeed's buckets sized to the model
+(:func:`~dpkit.integrations.transformers.deepspeed_config`).
 Every ``TrainingArguments`` flag works (``--per_device_train_batch_size``,
 ``--learning_rate``, ``--max_steps``, ``--report_to``...). From the repository root:
 

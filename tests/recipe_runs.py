@@ -15,6 +15,13 @@ from pathlib import Path
 
 from tests.harness import SHORT_RUN, Launch, accelerate_cmd, deepspeed_cmd, python_cmd, run
 
+
+def _shipped_yaml(strategy: str) -> Callable[[str], list[str]]:
+    """``accelerate launch`` with the shipped YAML of ``strategy`` (2 processes, as written)."""
+    config = ["--config_file", f"ds_configs/accelerate/{strategy}.yaml"]
+    return lambda out: accelerate_cmd(config, *SHORT_RUN, "--output-dir", out)
+
+
 # name: (command for an output folder, what must really run under it:
 #        (strategy, world size, accelerate's distributed type, backend))
 LAUNCHES: dict[str, tuple[Callable[[str], list[str]], tuple[str, int, str, str | None]]] = {
@@ -22,24 +29,10 @@ LAUNCHES: dict[str, tuple[Callable[[str], list[str]], tuple[str, int, str, str |
         lambda out: python_cmd(*SHORT_RUN, "--report-to", "tensorboard", "--output-dir", out),
         ("ddp", 1, "NO", None),
     ),
-    "accelerate_ddp_yaml": (
-        lambda out: accelerate_cmd(
-            ["--config_file", "ds_configs/accelerate/ddp.yaml"], *SHORT_RUN, "--output-dir", out
-        ),
-        ("ddp", 2, "MULTI_CPU", "gloo"),
-    ),
-    "accelerate_zero1_yaml": (
-        lambda out: accelerate_cmd(
-            ["--config_file", "ds_configs/accelerate/zero1.yaml"], *SHORT_RUN, "--output-dir", out
-        ),
-        ("zero1", 2, "DEEPSPEED", "gloo"),
-    ),
-    "accelerate_zero2_yaml": (
-        lambda out: accelerate_cmd(
-            ["--config_file", "ds_configs/accelerate/zero2.yaml"], *SHORT_RUN, "--output-dir", out
-        ),
-        ("zero2", 2, "DEEPSPEED", "gloo"),
-    ),
+    **{
+        f"accelerate_{strategy}_yaml": (_shipped_yaml(strategy), (strategy, 2, kind, "gloo"))
+        for strategy, kind in (("ddp", "MULTI_CPU"), ("zero1", "DEEPSPEED"), ("zero2", "DEEPSPEED"))
+    },
     "accelerate_multi_gpu": (
         lambda out: accelerate_cmd(
             ["--multi_gpu", "--num_processes", "2"], *SHORT_RUN, "--output-dir", out

@@ -76,13 +76,14 @@ class MemoryRuns:
         self.root = root
         self.recipe_runs = recipe_runs
         self._reports: dict[tuple[str, int], dict] = {}
+        self._launched: set[Path] = set()
 
     def run_dir(self, strategy: str, world_size: int) -> Path:
         """The run's output folder, launching it first if it has not run."""
         if world_size == 2:
             return self.recipe_runs(SHARED_AT_2[strategy]).output_dir
         out = self.root / f"{strategy}-{world_size}"
-        if not out.exists():
+        if out not in self._launched:
             args = [
                 *MEMORY_RUN,
                 "--strategy", strategy,
@@ -94,6 +95,7 @@ class MemoryRuns:
             else:
                 cmd = deepspeed_cmd(world_size, *args)
             run(cmd, out).check()
+            self._launched.add(out)
         return out
 
     def report(self, strategy: str, world_size: int) -> dict:

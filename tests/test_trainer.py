@@ -224,16 +224,21 @@ def test_ddp_report_names_the_trainers_reducer_buckets_and_reaches_report_to(run
     output = runs["ddp"].output
     assert output.count("dpkit memory report, step 2") == 1  # main process only
     assert output.count("dpkit memory report, step 3") == 1
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    (events,) = {p.parent for p in runs["ddp"].output_dir.rglob("events.out.tfevents.*")}
-    accumulator = EventAccumulator(str(events))
-    accumulator.Reload()
-    tag = "train/memory/model_state_mib"
-    assert tag in accumulator.Tags()["scalars"], accumulator.Tags()["scalars"]
-    logged = {event.step: event.value for event in accumulator.Scalars(tag)}
+    logged = _tensorboard_scalars(runs["ddp"], "train/memory/model_state_mib")
     assert sorted(logged) == [2, 3]
     assert logged[3] == pytest.approx(report["measured"]["model_state_total"] / MIB, rel=1e-6)
+
+
+def _tensorboard_scalars(launch: Launch, tag: str) -> dict[int, float]:
+    """``tag``'s values by step in the run's one TensorBoard event folder (``--report_to
+    tensorboard``)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (events,) = {p.parent for p in launch.output_dir.rglob("events.out.tfevents.*")}
+    accumulator = EventAccumulator(str(events))
+    accumulator.Reload()
+    assert tag in accumulator.Tags()["scalars"], accumulator.Tags()["scalars"]
+    return {event.step: event.value for event in accumulator.Scalars(tag)}
 
 
 def _printed_logs(output: str, first_key: str) -> list[dict[str, float]]:
@@ -267,14 +272,9 @@ def test_each_logged_step_says_where_its_time_went(runs, name):
     runtime = float(re.search(r"'train_runtime': '?([0-9.]+)", output).group(1))
     assert sum(logs["time/step_s"] for logs in steps) <= runtime
     if name == "ddp":
-        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-        (events,) = {p.parent for p in runs["ddp"].output_dir.rglob("events.out.tfevents.*")}
-        accumulator = EventAccumulator(str(events))
-        accumulator.Reload()
-        logged = accumulator.Scalars("train/time/backward_s")
-        assert [event.step for event in logged] == [1, 2, 3]
-        assert [event.value for event in logged] == pytest.approx(
+        logged = _tensorboard_scalars(runs["ddp"], "train/time/backward_s")
+        assert sorted(logged) == [1, 2, 3]
+        assert [logged[step] for step in (1, 2, 3)] == pytest.approx(
             [logs["time/backward_s"] for logs in steps], rel=1e-3
         )
 

@@ -211,8 +211,9 @@ def gradient_high_water(
             default: the groups' order reversed.
         accumulation_steps: micro-batches per optimizer step. Above 1, ZeRO-2 without
             contiguous gradients holds the accumulated whole gradients of its
-            partition's parameters beside a backward (reason 4 above); with contiguous
-            gradients that path was not measured and is not modelled.
+            partition's parameters beside a backward (reason 4 above), in the module
+            dtype (DeepSpeed's default ``grad_accum_dtype``); with contiguous gradients
+            that path was not measured and is not modelled.
     """
     if stage not in (1, 2):
         raise ValueError(f"stage must be 1 or 2, got {stage}")

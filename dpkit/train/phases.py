@@ -89,8 +89,8 @@ class StepPhases:
             model: the prepared model (hooks go on the wrapper, so DDP's and the engine's
                 own work in forward counts as forward).
             optimizer: the prepared optimizer; the hooks go on the ``torch.optim.Optimizer``
-                inside it (:func:`dpkit.memory.walk.inner_torch_optimizer`). None, or none inside: no
-                ``optimizer_s`` (the time from the last forward on counts in ``other_s``).
+                inside it (:func:`dpkit.memory.walk.inner_torch_optimizer`). None, or none
+                inside: no ``optimizer_s`` (the time from the last forward on counts in ``other_s``).
         """
         self.model = model
         self._totals = dict.fromkeys(PHASES, 0.0)
