@@ -29,7 +29,7 @@ def deepspeed_config(strategy_name: str) -> Path:
 
 
 def accelerate_config(strategy_name: str) -> Path:
-    """dpkit's accelerate YAML for ``ddp``, ``zero1`` or ``zero2``."""
+    """dpkit's accelerate YAML for a runnable strategy (``ddp``, ``zero2``, ``fsdp2_full_shard``...)."""
     return _path("dpkit", "configs", "accelerate", f"{strategy_name}.yaml")
 
 

@@ -3,7 +3,7 @@
 Every module that needs to tell strategies apart (run setup, the memory
 accounting, ``dpkit plan``, ``dpkit bench``) asks a ``Strategy`` what it does
 (``zero_stage``, ``engine``, ``offload``) instead of comparing names. A new
-strategy (a torch-native sharding engine, say) is one more value here.
+strategy is one more value here (FSDP2's two modes were).
 
 This module imports nothing heavy: ``dpkit plan`` reads it without torch.
 """
@@ -20,12 +20,13 @@ class Strategy:
     """One way of distributing training state over data-parallel ranks."""
 
     name: str
-    """The flag value and file stem: ``ddp``, ``zero1``, ``zero2`` (and, for ``dpkit plan``
-    only, ``zero2_offload``, ``zero3``)."""
+    """The flag value and file stem: ``ddp``, ``zero1``, ``zero2``, ``fsdp2_shard_grad_op``,
+    ``fsdp2_full_shard`` (and, for ``dpkit plan`` only, ``zero2_offload``, ``zero3``)."""
     label: str
     """How tables and logs show it: ``DDP``, ``ZeRO-1``..."""
     engine: str
-    """What runs it: ``ddp`` (torch DistributedDataParallel) or ``deepspeed``."""
+    """What runs it: ``ddp`` (torch DistributedDataParallel), ``deepspeed``, or ``fsdp2``
+    (torch's ``fully_shard``, applied by dpkit on every device)."""
     zero_stage: int
     """What is sharded over the ranks, in ZeRO's terms: 0 nothing, 1 optimizer state and
     master weights, 2 also gradients, 3 also parameters."""
@@ -41,10 +42,21 @@ class Strategy:
         return self.engine == "deepspeed"
 
     @property
+    def uses_fsdp2(self) -> bool:
+        return self.engine == "fsdp2"
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """FSDP2: parameters are sharded again after each layer's forward (ZeRO-3's
+        semantics); otherwise they stay whole until the backward (ZeRO-2's)."""
+        return self.uses_fsdp2 and self.zero_stage == 3
+
+    @property
     def keeps_fp32_master(self) -> bool:
         """Whether an fp32 master copy is kept beside the module's parameters: DeepSpeed's
         ZeRO optimizer keeps its fp32 partition even when the module is fp32 (measured);
-        torch DDP updates the module's own fp32 parameters."""
+        torch DDP and FSDP2 update the module's own fp32 parameters (FSDP2's mixed
+        precision casts a copy for the compute)."""
         return self.engine == "deepspeed"
 
     def offloaded(self) -> Strategy:
@@ -80,12 +92,33 @@ ZERO3 = Strategy(
     summary="parameters sharded too",
 )
 
-STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
-    {s.name: s for s in (DDP, ZERO1, ZERO2, ZERO2_OFFLOAD, ZERO3)}
+FSDP2_SHARD_GRAD_OP = Strategy(
+    "fsdp2_shard_grad_op",
+    "FSDP2 shard-grad-op",
+    "fsdp2",
+    2,
+    summary="torch FSDP2: gradients and optimizer state sharded, parameters whole in the step",
 )
-"""Every strategy by name, least sharding first."""
+FSDP2_FULL_SHARD = Strategy(
+    "fsdp2_full_shard",
+    "FSDP2 full-shard",
+    "fsdp2",
+    3,
+    summary="torch FSDP2: parameters, gradients and optimizer state sharded",
+)
+
+STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
+    {
+        s.name: s
+        for s in (DDP, ZERO1, ZERO2, ZERO2_OFFLOAD, ZERO3, FSDP2_SHARD_GRAD_OP, FSDP2_FULL_SHARD)
+    }
+)
+"""Every strategy by name: DDP and DeepSpeed least sharding first, then FSDP2."""
 RUNNABLE: tuple[Strategy, ...] = tuple(s for s in STRATEGIES.values() if s.runnable)
 """The strategies the recipes run."""
+DDP_AND_ZERO: tuple[Strategy, ...] = (DDP, ZERO1, ZERO2)
+"""The strategies ``dpkit tune`` tries and the Transformers ``Trainer`` baseline of
+``dpkit bench --workload classification`` runs (neither has an FSDP2 path yet)."""
 
 
 def get_strategy(name: str | Strategy) -> Strategy:
@@ -100,7 +133,16 @@ def get_strategy(name: str | Strategy) -> Strategy:
 
 def deepspeed_strategy(zero_stage: int) -> Strategy:
     """The runnable DeepSpeed strategy of a ZeRO stage (1 or 2)."""
+    return _runnable(stage=zero_stage, engine="deepspeed")
+
+
+def fsdp2_strategy(reshard_after_forward: bool) -> Strategy:
+    """The FSDP2 strategy with or without resharding after the forward."""
+    return FSDP2_FULL_SHARD if reshard_after_forward else FSDP2_SHARD_GRAD_OP
+
+
+def _runnable(*, stage: int, engine: str) -> Strategy:
     for strategy in RUNNABLE:
-        if strategy.uses_deepspeed and strategy.zero_stage == zero_stage:
+        if strategy.engine == engine and strategy.zero_stage == stage:
             return strategy
-    raise ValueError(f"no runnable DeepSpeed strategy for ZeRO stage {zero_stage}")
+    raise ValueError(f"no runnable {engine} strategy for ZeRO stage {stage}")

@@ -103,6 +103,7 @@ def main() -> None:
     train_loader, validation, test = get_dataloaders(
         splits, tokenizer, accelerator, train_cfg.micro_batch_size, model_cfg.max_seq_length
     )
+    model = run.shard_model(model)  # FSDP2: layers sharded over the ranks; else unchanged
     optimizer = run.make_optimizer(
         dpkit.adamw_param_groups(model, train_cfg.weight_decay),
         lr=resolution.learning_rate,

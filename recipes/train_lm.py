@@ -109,6 +109,7 @@ def main() -> None:
     output = dpkit.RunOutput(workload.output_dir, accelerator.is_main_process)
     output.start(run_config)
     train_loader = DataLoader(dataset, batch_size=workload.micro_batch_size, drop_last=True)
+    model = run.shard_model(model)  # FSDP2: layers sharded over the ranks; else unchanged
     optimizer = run.make_optimizer(
         dpkit.adamw_param_groups(model, workload.weight_decay),
         lr=workload.learning_rate,

@@ -91,6 +91,15 @@ def recipe_runs(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def reference(tmp_path_factory):
+    """The checkpointed reference runs (tests/checkpoint_runs.py), each launched once per
+    session and shared by the modules that resume from or compare with them."""
+    from tests.checkpoint_runs import ReferenceRuns
+
+    return ReferenceRuns(tmp_path_factory.mktemp("reference-runs"))
+
+
+@pytest.fixture(scope="session")
 def wheel_env(tmp_path_factory):
     """dpkit built as a wheel and installed into a fresh venv outside the checkout
     (tests/wheel_env.py); built once per session."""

@@ -18,6 +18,8 @@ zero / negative sizes, steps, lr            E2E ``zero-accumulation``, ``negativ
                                             test_command_line_refused; * test_config
 unknown strategy                            E2E ``unknown-strategy``
 ZeRO stage 0 and 3                          E2E ``zero-stage-0``, E2E accelerate stage 3
+FSDP2 with a DeepSpeed JSON, bad layers     E2E ``fsdp2-with-deepspeed-json``,
+                                            ``fsdp2-unknown-layer-class``; test_fsdp2
 fp16 on CPU                                 E2E ``fp16-on-cpu``; test_fp16_from_the_launcher
 model folder that does not exist            * test_launch_errors (E2E)
 dataset file that does not exist            E2E ``missing-dataset-file``
@@ -128,6 +130,22 @@ RECIPE_CASES = [
         "(micro_batch 16 x accumulation 1 x world_size 1)",
     ),
     ("unknown-strategy", lambda t: ["--strategy", "zero3"], "--strategy: invalid choice: 'zero3'"),
+    (
+        "fsdp2-with-deepspeed-json",
+        lambda t: ["--strategy", "fsdp2_full_shard", "--deepspeed", "ds_configs/zero2.json"],
+        "--strategy=fsdp2_full_shard conflicts with --deepspeed='ds_configs/zero2.json'",
+    ),
+    (
+        "fsdp2-unknown-layer-class",
+        lambda t: [
+            "--strategy",
+            "fsdp2_shard_grad_op",
+            "--fsdp-layer-classes",
+            "LlamaDecoderLayer",
+        ],
+        "--fsdp-layer-classes=LlamaDecoderLayer: no LlamaDecoderLayer module in "
+        "BertForSequenceClassification",
+    ),
     (
         "zero-accumulation",
         lambda t: ["--gradient-accumulation-steps", "0"],

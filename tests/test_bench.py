@@ -1,7 +1,7 @@
 """``dpkit bench``: the JSON of a real tiny bench is consistent; the pieces behave.
 
-The multi-process test runs the whole bench (3 dpkit strategies under
-``accelerate launch``, bare DDP under ``torchrun``, bare ZeRO-1/2 under
+The multi-process test runs the whole bench (5 dpkit strategies under
+``accelerate launch``, bare DDP and FSDP2 under ``torchrun``, bare ZeRO-1/2 under
 ``deepspeed``) on a tiny model and checks what the numbers must satisfy by
 construction, not how fast anything was.
 """
@@ -23,7 +23,8 @@ from dpkit.bench import launch as bench
 from dpkit.bench import results as bench_results
 from dpkit.data import lm as lm_data
 from dpkit.errors import UsageError
-from tests.harness import max_rel_diff
+from dpkit.strategy import RUNNABLE, get_strategy
+from tests.harness import FSDP2_RTOL, max_rel_diff
 
 NPROC = 2
 WARMUP, STEPS = 1, 2
@@ -46,7 +47,9 @@ def test_settings_defaults_on_cpu():
     settings = bench_cli.resolve_settings(_args(), gpu_count=0)
     assert settings["nproc"] == 2
     assert settings["size"] == "small"
-    assert settings["strategies"] == ["ddp", "zero1", "zero2"]
+    assert settings["strategies"] == [
+        "ddp", "zero1", "zero2", "fsdp2_shard_grad_op", "fsdp2_full_shard"
+    ]  # fmt: skip
     assert settings["total_steps"] == settings["warmup_steps"] + settings["timed_steps"]
     assert settings["threads_per_process"] >= 1
     assert bench_cli.resolve_settings(_args("--nproc", "4"), gpu_count=0)["nproc"] == 4
@@ -57,6 +60,11 @@ def test_settings_defaults_on_cpu():
     [
         (["--strategies", "ddp,zero3"], "--strategies"),
         (["--strategies", "ddp,ddp"], "--strategies"),
+        (
+            ["--workload", "classification", "--strategies", "ddp,fsdp2_full_shard"],
+            "--strategies='ddp,fsdp2_full_shard': the classification workload's Trainer "
+            "baseline runs ddp, zero1, zero2; FSDP2 runs in --workload lm$",
+        ),
         (["--size", "huge"], "--size"),
         (["--warmup", "0"], "--warmup"),
         (["--steps", "0"], "--steps"),
@@ -85,8 +93,8 @@ def test_bf16_reaches_every_training_launch_and_the_checks(tmp_path):
     assert settings["mixed_precision"] == "bf16"
     phases = bench.plan_phases(settings, tmp_path)
     training = [p for p in phases if p.trains]
-    # dpkit and bare, for each of the three strategies, and the compute floor (one process)
-    assert len(training) == 7
+    # dpkit and bare, for each of the five strategies, and the compute floor (one process)
+    assert len(training) == 11
     assert [p.nproc for p in training if p.name == bench.FLOOR_RUN] == [1]
     for phase in training:
         flag = phase.cmd.index("--mixed-precision")
@@ -171,14 +179,16 @@ TINY_GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 8192, "n_po
 MICRO_BATCH, SEQ_LEN = 4, 64
 
 
-def _tiny_gpt2_counts() -> tuple[int, int]:
-    """Psi and the number of parameter tensors of the bench's tiny model, counted by torch
-    on a model transformers builds (tied embedding counted once), not by dpkit."""
+def _tiny_gpt2_counts() -> tuple[int, int, int]:
+    """Psi, the number of parameter tensors of the bench's tiny model, and the elements of
+    rank 0's FSDP2 shards (each dim 0 rounded up to a multiple of N, then / N), counted by
+    torch on a model transformers builds (tied embedding counted once), not by dpkit."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(**TINY_GPT2))
     params = list(model.parameters())
-    return sum(p.numel() for p in params), len(params)
+    shards = sum(-(-p.shape[0] // NPROC) * (p.numel() // p.shape[0]) for p in params)
+    return sum(p.numel() for p in params), len(params), shards
 
 
 def _raw_log(run_dir: str) -> list[dict]:
@@ -207,16 +217,19 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
     assert table.strip() in output  # the table is printed at the end
     for run_ in results["runs"].values():  # the installed copies, not the checkout's
         assert any(str(wheel_env.root) in part for part in run_["command"]), run_["command"]
-    for label in ("| DDP |", "| ZeRO-1 |", "| ZeRO-2 |", "| floor/step |", "| floor | torchrun |"):
+    for label in (
+        *(f"| {s.label} |" for s in RUNNABLE), "| floor/step |", "| floor | torchrun |"
+    ):  # fmt: skip
         assert label in table
 
     runs, comparison = results["runs"], results["comparison"]
-    assert set(results["strategies"]) == {"ddp", "zero1", "zero2"} == set(comparison)
-    assert set(runs) == {"ddp", "zero1", "zero2", "bare_ddp", "bare_zero1", "bare_zero2", "floor"}
+    names = {s.name for s in RUNNABLE}
+    assert set(results["strategies"]) == names == set(comparison)
+    assert set(runs) == names | {f"bare_{name}" for name in names} | {"floor"}
     assert results["machine"]["cpu_model"] and results["machine"]["versions"]["torch"]
     assert results["machine"]["versions"]["deepspeed"]
 
-    psi, tensors = _tiny_gpt2_counts()
+    psi, tensors, shards = _tiny_gpt2_counts()
     assert results["num_params"] == psi
     n = NPROC
     raw = {name: _raw_log(r["run_dir"]) for name, r in runs.items()}
@@ -251,6 +264,20 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
             # Partitions are padded for alignment: within 0.1% of the even split.
             assert rank["optimizer"] == pytest.approx(8 * psi / n, rel=1e-3), name
             assert rank["master"] == pytest.approx(4 * psi / n, rel=1e-3), name
+    # FSDP2: every parameter sharded on dim 0, padded to a multiple of N (rank 0 holds the
+    # ceiling's rows); Adam's step counters stay whole on every rank.
+    for name in ("fsdp2_shard_grad_op", "fsdp2_full_shard"):
+        rank0 = runs[name]["memory"]["ranks"][0]
+        assert (rank0["params"], rank0["grads"], rank0["master"]) == (4 * shards, 4 * shards, 0)
+        assert rank0["optimizer"] == 8 * shards + 4 * tensors, name
+    # What each FSDP2 mode holds whole in the step, as communication buffers: shard-grad-op
+    # every unit's parameters from the forward to the backward (a replica's), full-shard
+    # almost nothing after its forward (each unit resharded).
+    whole = "whole parameters (FSDP2 all-gather output)"
+    grad_op, full_shard = (runs[n]["memory"]["ranks"][0]["buffer_holders"] for n in (
+        "fsdp2_shard_grad_op", "fsdp2_full_shard"))  # fmt: skip
+    assert grad_op[whole] == 4 * psi
+    assert full_shard.get(whole, 0.0) < 0.05 * 4 * psi
     # ZeRO-2's own gradient partition is DDP's / N on every rank.
     for rank in runs["zero2"]["memory"]["ranks"]:
         assert rank["grads_partition"] == pytest.approx(4 * psi / n, rel=1e-3)
@@ -258,7 +285,9 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
 
     # The paper's prediction, by hand: DDP 16 Psi; ZeRO-1 shards the 12 bytes of
     # optimizer state and master; ZeRO-2 also the 4 bytes of gradients.
+    # FSDP2 shards all 16 bytes in both modes (the count's figure, without the padding).
     paper = {"ddp": 16 * psi, "zero1": 8 * psi + 12 * psi / n, "zero2": 4 * psi + 16 * psi / n}
+    paper.update(fsdp2_shard_grad_op=16 * psi / n, fsdp2_full_shard=16 * psi / n)
     for name, row in comparison.items():
         assert row["predicted_model_states"] == pytest.approx(paper[name], rel=1e-12), name
         assert row["saved_vs_ddp_predicted"] == pytest.approx(paper["ddp"] - paper[name])
@@ -274,13 +303,16 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         assert deviation < LOSS_RTOL, (name, deviation)
         assert row["loss_max_rel_dev_vs_ddp"] == pytest.approx(deviation, abs=1e-12)
         assert max_rel_diff(raw_losses[bare], raw_losses[name]) < LOSS_RTOL, name
+        if get_strategy(name).uses_fsdp2:  # the same arithmetic as DDP's, and as fully_shard's
+            assert deviation <= FSDP2_RTOL, (name, deviation)
+            assert max_rel_diff(raw_losses[bare], raw_losses[name]) <= FSDP2_RTOL, name
         # dpkit plan for each run, gradients laid out as DeepSpeed holds them.
         plan = runs[name]["plan"]
         assert plan["strategy"] == name and plan["world_size"] == n
         for category, error in plan["error_pct"].items():
             assert error is None or abs(error) <= PLAN_RTOL_PCT, (category, plan)
         assert row["plan_model_states"] == plan["predicted_bytes"]["total"]
-    assert {c["strategy"] for c in results["checks"]} == {"ddp", "zero1", "zero2"}
+    assert {c["strategy"] for c in results["checks"]} == names
     # The tiny GPT-2's tied word embedding (2^21 elements) fits the 2^21 bucket, so dpkit
     # keeps contiguous_gradients on: the plan above followed DeepSpeed's pre-sized
     # partition buffer bucket by bucket (tests/test_memory_multiprocess.py does N=4).

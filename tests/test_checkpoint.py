@@ -1,11 +1,10 @@
 """Checkpoints: exact resume, atomic saves, refusal of partial ones, export, and resume
 across strategies and world sizes. Real recipe, real launchers, 2 CPU processes.
 
-Every run: 6 optimizer steps over 128 examples (4 steps per epoch at global batch 32,
-so the resume at step 3 lands mid-epoch and the run crosses an epoch boundary), a
-checkpoint every 3 steps. "Interrupted at step 3" is a run resumed from the step-3
-checkpoint of an uninterrupted run: that folder holds exactly what the interrupted run
-had written, since nothing after step 3 touches it.
+The uninterrupted runs are tests/checkpoint_runs.py's references (session fixture
+``reference``). "Interrupted at step 3" is a run resumed from the step-3 checkpoint of
+an uninterrupted run: that folder holds exactly what the interrupted run had written,
+since nothing after step 3 touches it.
 """
 
 from __future__ import annotations
@@ -19,6 +18,15 @@ import torch
 
 from dpkit.errors import UsageError
 from dpkit.train import checkpoint
+from tests.checkpoint_runs import (
+    CK_RUN,
+    LOGS_ONLY,
+    NO_DROPOUT,
+    REFERENCES,
+    YAML,
+    launch_ck,
+    step3,
+)
 from tests.harness import (
     BIN,
     REPO,
@@ -32,75 +40,11 @@ from tests.harness import (
 
 pytestmark = pytest.mark.multiprocess
 
-CK_RUN = [
-    "--max-steps", "6",
-    "--max-train-samples", "128",
-    "--max-eval-samples", "48",
-    "--max-seq-length", "32",
-    "--learning-rate", "1e-4",
-    "--warmup-ratio", "0",
-    "--logging-steps", "1",
-    "--save-steps", "3",
-    "--save-total-limit", "0",
-]  # fmt: skip
-# Resumed runs are compared by their logs; their own checkpoints and model are not needed.
-LOGS_ONLY = ["--no-save-model", "--no-save-checkpoints"]
-NO_DROPOUT = ["--dropout", "0"]  # runs on different world sizes draw different dropout masks
-YAML = {s: ["--config_file", f"ds_configs/accelerate/{s}.yaml"] for s in ("ddp", "zero1", "zero2")}
-
 # Same strategy, same world size, RNG restored: the same arithmetic as the run that
 # never stopped; only the order of float reductions could differ.
 SAME_RUN_RTOL = 1e-6
 # Across strategies and world sizes: the equivalence tolerance of tests/test_launchers.py.
 CROSS_RTOL = 2e-3
-
-
-def _launch(strategy: str, nproc: int, out: Path, *args: str):
-    if nproc == 1:
-        cmd = python_cmd(*CK_RUN, "--strategy", strategy, *args, "--output-dir", str(out))
-    else:
-        cmd = accelerate_cmd(
-            [*YAML[strategy], "--num_processes", str(nproc)],
-            *CK_RUN,
-            *args,
-            "--output-dir",
-            str(out),
-        )
-    return run(cmd, out).check()
-
-
-# name -> (strategy, processes, extra args); each uninterrupted run is launched once.
-# Only zero2's final model is read (the export test).
-REFERENCES = {
-    "ddp": ("ddp", 2, ["--micro-batch-size", "16", "--no-save-model"]),
-    "zero1": ("zero1", 2, ["--micro-batch-size", "16", "--no-save-model"]),
-    "zero2": ("zero2", 2, ["--micro-batch-size", "16"]),
-    # Accumulation, and rotation: a checkpoint every step, the last four kept.
-    "ddp_accumulation": (
-        "ddp",
-        2,
-        ["--micro-batch-size", "8", "--gradient-accumulation-steps", "2"]
-        + ["--save-steps", "1", "--save-total-limit", "4", "--no-save-model"],
-    ),
-    "zero2_no_dropout": ("zero2", 2, ["--micro-batch-size", "16", *NO_DROPOUT, "--no-save-model"]),
-}
-_references: dict[str, object] = {}
-
-
-@pytest.fixture(scope="module")
-def reference(module_tmp):
-    def get(name: str):
-        if name not in _references:
-            strategy, nproc, args = REFERENCES[name]
-            _references[name] = _launch(strategy, nproc, module_tmp / f"ref-{name}", *args)
-        return _references[name]
-
-    yield get
-    _references.clear()
-
-
-def _step3(ref) -> Path:
-    return ref.output_dir / "checkpoints" / "step-000003"
 
 
 def _check_continues(ref, resumed, rtol: float) -> None:
@@ -120,7 +64,7 @@ def _check_continues(ref, resumed, rtol: float) -> None:
 def test_resumed_run_equals_the_uninterrupted_one(reference, tmp_path, name):
     ref = reference(name)
     strategy, nproc, args = REFERENCES[name]
-    resumed = _launch(strategy, nproc, tmp_path, *args, *LOGS_ONLY, "--resume", str(_step3(ref)))
+    resumed = launch_ck(strategy, nproc, tmp_path, *args, *LOGS_ONLY, "--resume", str(step3(ref)))
     assert "resuming from step 3 (epoch 0, 96 examples in)" in resumed.output
     assert "RNG streams not restored" not in resumed.output
     _check_continues(ref, resumed, SAME_RUN_RTOL)
@@ -143,8 +87,8 @@ def test_resume_across_world_sizes_and_strategies(
 ):
     ref = reference(source)
     extra = NO_DROPOUT if "no_dropout" in source else []
-    resumed = _launch(
-        strategy, nproc, tmp_path, *args, *extra, *LOGS_ONLY, "--resume", str(_step3(ref))
+    resumed = launch_ck(
+        strategy, nproc, tmp_path, *args, *extra, *LOGS_ONLY, "--resume", str(step3(ref))
     )
     assert f"as {strategy} on {nproc} process(es)" in resumed.output
     changed_world = nproc != REFERENCES[source][1]
@@ -172,9 +116,13 @@ def moment_mismatches(got: dict, expected: dict) -> list[str]:
     [
         ("zero2_no_dropout", "zero2", 4, ["--micro-batch-size", "8"]),
         ("zero2", "ddp", 2, ["--micro-batch-size", "16"]),
+        ("fsdp2_shard_grad_op", "zero2", 2, ["--micro-batch-size", "16"]),
+        ("ddp", "fsdp2_full_shard", 2, ["--micro-batch-size", "16"]),
     ],
-    ids=["zero2-2to4", "zero2-to-ddp"],
+    ids=["zero2-2to4", "zero2-to-ddp", "fsdp2-to-zero2", "ddp-to-fsdp2"],
 )
+# FSDP2 <-> ZeRO/DDP continue from exactly the saved state here; that FSDP2 then trains
+# exactly as DDP does is tests/test_fsdp2.py's (same flags, bit-for-bit losses).
 def test_resume_restores_the_saved_optimizer_state_exactly(
     reference, tmp_path, source, strategy, nproc, args
 ):
@@ -184,14 +132,14 @@ def test_resume_restores_the_saved_optimizer_state_exactly(
     comparison of the cross-resume runs cannot see a swap of two same-shaped parameters'
     moments: 3e-5 of loss deviation, under its 2e-3 tolerance.)"""
     ref = reference(source)
-    resumed = _launch(
+    resumed = launch_ck(
         strategy, nproc, tmp_path, *args, "--max-steps", "3", "--no-save-model",
-        "--resume", str(_step3(ref)),
+        "--resume", str(step3(ref)),
     )  # fmt: skip
     assert "trained 0 steps in" in resumed.output  # the save holds what was loaded
-    expected = _moments(_step3(ref))
+    expected = _moments(step3(ref))
     assert len(expected) > 100 and all(len(m) == 2 for m in expected.values())
-    assert moment_mismatches(_moments(_step3(resumed)), expected) == []
+    assert moment_mismatches(_moments(step3(resumed)), expected) == []
 
     # Negative control: the comparison catches the breaks the loss comparison misses.
     query, key = (f"bert.encoder.layer.0.attention.self.{p}.weight" for p in ("query", "key"))
@@ -236,7 +184,7 @@ def _copy_run(ref, dest: Path) -> Path:
 
 def test_truncated_checkpoint_is_refused_before_anything_starts(reference, tmp_path):
     ref = reference("zero2")
-    broken = shutil.copytree(_step3(ref), tmp_path / "step-000003")
+    broken = shutil.copytree(step3(ref), tmp_path / "step-000003")
     optimizer = broken / "optimizer.pt"
     size = optimizer.stat().st_size
     with open(optimizer, "r+b") as f:
@@ -311,7 +259,7 @@ def test_resume_refusals_name_the_problem(reference, tmp_path):
         checkpoint.resolve_resume(str(tmp_path / "nope"), str(empty))
     with pytest.raises(UsageError, match=r"not a complete dpkit checkpoint \(no manifest.json"):
         checkpoint.resolve_resume(str(REPO / "ds_configs"), str(empty))
-    path, state = checkpoint.resolve_resume(str(_step3(reference("zero2"))), str(empty))
+    path, state = checkpoint.resolve_resume(str(step3(reference("zero2"))), str(empty))
     with pytest.raises(UsageError, match=r"written with global batch 32, this run's is 64"):
         checkpoint.check_resumable(state, path, global_batch_size=64)
 

@@ -20,7 +20,7 @@ from dpkit.memory.analytic import model_state_bytes, paper_grad_bytes
 from dpkit.plan import activations
 from dpkit.plan import estimate as plan
 from dpkit.plan import inputs as plan_inputs
-from dpkit.plan.recommend import make_plan
+from dpkit.plan.recommend import make_plan, recommendation_order
 from dpkit.strategy import STRATEGIES
 
 GIB = 2**30
@@ -110,6 +110,127 @@ def test_offload_keeps_16bit_params_and_grad_partition_on_the_gpu(world_size):
     offload = model_state_bytes(psi, "zero2_offload", n, "bf16", "cpu_adam")
     assert offload.total == 2 * psi + 2 * psi // n
     assert offload.offloaded_to_cpu == 12 * psi // n
+
+
+# --- FSDP2: every state sharded, dim 0 padded per parameter --------------------------------
+
+FSDP2 = ("fsdp2_shard_grad_op", "fsdp2_full_shard")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("strategy", FSDP2)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("psi", PSIS)
+def test_fsdp2_from_a_count_shards_every_state_in_fp32(psi, world_size, strategy, precision):
+    """Both FSDP2 modes keep fp32 parameters and gradients and AdamW's two moments, all
+    sharded N ways, and no master copy: 16 Psi/N whatever the precision (shard-grad-op's
+    parameters are whole only inside forward and backward, which are not model states).
+    The paper's gradient figure is then 4 Psi/N."""
+    n = world_size
+    states = model_state_bytes(psi, strategy, n, precision, "adamw")
+    assert (states.params, states.grads, states.optimizer, states.master) == (
+        4 * psi // n, 4 * psi // n, 8 * psi // n, 0,
+    )  # fmt: skip
+    assert paper_grad_bytes(psi, strategy, n, precision) == 4 * psi // n
+
+
+# Dim 0 of 5, 7 and 2 rows: torch.chunk gives rank 0 ceil(d0/N) rows and FSDP2 pads every
+# rank's storage to them. 5*3 + 7 + 2*2 = 26 elements.
+ODD_SHAPES = ((5, 3), (7,), (2, 2))
+
+
+@pytest.mark.parametrize("strategy", FSDP2)
+def test_fsdp2_pads_dim_0_of_each_parameter_on_the_worst_rank(strategy):
+    """N=2: 3 rows of 3 + 4 + 1 row of 2 = 15 elements per rank (26/2 = 13 unpadded).
+    N=4: 2 rows of 3 + 2 + 1 row of 2 = 10 (26/4 = 6.5). Bytes: fp32 parameters and
+    gradients 4 each, AdamW 8, no master."""
+    for n, per_rank in ((2, 15), (4, 10), (1, 26)):
+        for precision in ("fp32", "bf16"):
+            states = model_state_bytes(26, strategy, n, precision, "adamw", param_shapes=ODD_SHAPES)
+            assert states.as_dict() == {
+                "params": 4 * per_rank, "grads": 4 * per_rank, "optimizer": 8 * per_rank,
+                "master": 0, "offloaded_to_cpu": 0, "total": 16 * per_rank,
+            }  # fmt: skip
+    # Shapes count only for FSDP2: ZeRO-2's figure is the same with or without them.
+    assert model_state_bytes(26, "zero2", 2, param_shapes=ODD_SHAPES) == model_state_bytes(
+        26, "zero2", 2
+    )
+    with pytest.raises(ValueError, match="26 elements, num_params is 27"):
+        model_state_bytes(27, strategy, 2, param_shapes=ODD_SHAPES)
+
+
+def _small_layered_model(blocks: int = 3):
+    """A root embedding of 5 x 3 and ``blocks`` layers of Linear(3, 3), which the model
+    names in ``_no_split_modules``: FSDP2 makes each layer a unit, the embedding is the root's."""
+    import torch
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = torch.nn.Linear(3, 3)  # weight 3 x 3, bias 3: 12 elements
+
+    class Small(torch.nn.Module):
+        _no_split_modules = ["Block"]
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(5, 3)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
+
+    return plan_inputs.spec_from_model("small", "path", Small())
+
+
+@pytest.mark.parametrize(
+    ("n", "precision", "expected"),
+    [
+        # Per rank: the embedding's ceil(5/N) rows of 3, each layer ceil(3/N) rows of 3 plus
+        # ceil(3/N) bias elements. N=2: 9 + 3 x 8 = 33 elements; N=4: 6 + 3 x 4 = 18.
+        # Whole, padded to N x that: the root 18 (N=2) or 24 (N=4), each layer 16.
+        # Shard-grad-op: all of it whole; full-shard: the root and two layers.
+        # Root gradients: 15 elements. Reduce-scatter: the largest of the root (15 whole
+        # gradients + 4 bytes x 18 or 24 padded) and a layer (12 + 4 bytes x 16).
+        (2, "bf16", {"states": 33, "sgo": 2 * (18 + 48), "fs": 2 * (18 + 32),
+                     "grads": 2 * 15, "reduce": 2 * 15 + 4 * 18}),
+        (4, "bf16", {"states": 18, "sgo": 2 * (24 + 48), "fs": 2 * (24 + 32),
+                     "grads": 2 * 15, "reduce": 2 * 15 + 4 * 24}),
+        (2, "fp32", {"states": 33, "sgo": 4 * (18 + 48), "fs": 4 * (18 + 32),
+                     "grads": 4 * 15, "reduce": 4 * 15 + 4 * 18}),
+    ],
+)  # fmt: skip
+def test_fsdp2_rows_hold_whole_parameters_in_the_compute_dtype(n, precision, expected):
+    spec = _small_layered_model()
+    assert spec.num_params == 15 + 3 * 12
+    assert spec.param_units == (-1, 0, 0, 1, 1, 2, 2)
+    inputs = plan_inputs.PlanInputs(
+        model=spec, gpus_per_node=n, precision=precision, seq_len=8, reserve=0
+    )
+    settings = plan.buffer_settings(spec, n)
+    for strategy, whole in (("fsdp2_shard_grad_op", "sgo"), ("fsdp2_full_shard", "fs")):
+        row = plan.estimate(inputs, strategy, 1, None, settings)
+        per_rank = expected["states"]
+        assert (row.params, row.grads, row.optimizer, row.master) == (
+            4 * per_rank, 4 * per_rank, 8 * per_rank, 0,
+        )  # fmt: skip
+        assert row.buffer_parts == {
+            "fsdp2_whole_params": expected[whole],
+            "fsdp2_root_whole_grads": expected["grads"],
+            "fsdp2_reduce_scatter": expected["reduce"],
+        }
+        # No DeepSpeed layout, no DDP autocast copies, no step temporaries (fused AdamW).
+        assert (row.grads_where, row.activation_parts, row.step_parts) == ("", {}, {})
+        assert row.total == 16 * per_rank + sum(row.buffer_parts.values())
+
+
+def test_fsdp2_from_a_count_holds_the_whole_model_in_shard_grad_op_only():
+    """A bare count has no layers: shard-grad-op's whole parameters are Psi in bf16, and
+    full-shard's (about one layer) are not counted."""
+    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
+    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=8, seq_len=1024)
+    settings = plan.buffer_settings(spec, 8)
+    shard_grad_op = plan.estimate(inputs, "fsdp2_shard_grad_op", 1, None, settings)
+    full_shard = plan.estimate(inputs, "fsdp2_full_shard", 1, None, settings)
+    assert shard_grad_op.buffer_parts == {"fsdp2_whole_params": 2 * 10**9}
+    assert full_shard.buffer_parts == {}
 
 
 # --- DeepSpeed's own estimators -------------------------------------------------------------
@@ -379,9 +500,32 @@ def test_recommendation_is_the_first_fitting_strategy(specs):
             result = make_plan(inputs)
         except UsageError:
             continue
-        fitting = [r.strategy for r in result.rows if result.fits(r)]
+        fitting = [s.name for s in recommendation_order() if result.fits(result.row(s))]
         assert [r.strategy for r in result.rows] == list(STRATEGIES)
         assert result.recommended == fitting[0]
+
+
+def test_strategies_dpkit_runs_come_before_the_reference_ones():
+    assert [s.name for s in recommendation_order()] == [
+        "ddp", "zero1", "zero2", "fsdp2_shard_grad_op", "fsdp2_full_shard", "zero2_offload",
+        "zero3",
+    ]  # fmt: skip
+
+
+def test_fsdp2_is_recommended_where_zero2_does_not_fit_before_offload():
+    """1B parameters from a count on 8 x 7 GiB (6.3 GiB usable, 2 GiB reserve): ZeRO-2 needs
+    2 + 0.75 + 1 + 0.5 + 0.25 (its step's flat copy) GB and DeepSpeed's 1 GB reduce bucket,
+    5.5 GB before the reserve; FSDP2 shard-grad-op 16/8 GB of states and 2 GB of whole bf16
+    parameters, 4 GB, which fits; ZeRO-2 offload fits too but is only shown for reference."""
+    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
+    result = make_plan(plan_inputs.PlanInputs(model=spec, gpu_memory=7 * GIB, seq_len=1024))
+    assert result.row("zero2").total == 5.5e9 + 2 * GIB
+    assert result.row("fsdp2_shard_grad_op").total == 4e9 + 2 * GIB
+    assert result.fits(result.row("zero2_offload"))
+    assert result.recommended == "fsdp2_shard_grad_op"
+    assert result.reason.startswith("DDP needs")
+    assert "ZeRO-2 needs 7.1 GiB" in result.reason
+    assert "least sharding dpkit runs that fits" in result.reason
 
 
 def test_cpu_adam_only_runs_offloaded(specs):
@@ -498,9 +642,21 @@ def test_cli_json(specs):
         states = model_state_bytes(
             PUBLISHED_PARAMS["gpt2-xl"], row["strategy"], 8, "bf16", optimizer
         )
-        assert figures["params"] == round(states.params)
-        assert figures["optimizer"] == round(states.optimizer)
+        if row["strategy"] in FSDP2:
+            # Every dim 0 of GPT-2 XL divides by 8 but the vocabulary's 50257 rows, padded
+            # to 50264: 7 rows of 1600 more over 8 ranks, fp32 parameters.
+            assert figures["params"] == round(states.params) + 4 * 7 * 1600 // 8
+            assert figures["grads"] == figures["params"] and figures["master"] == 0
+            assert figures["optimizer"] == 2 * figures["params"]
+        else:
+            assert figures["params"] == round(states.params)
+            assert figures["optimizer"] == round(states.optimizer)
         assert row["fits"] == (figures["total"] <= usable)
+    by_name = {row["strategy"]: row for row in data["strategies"]}
+    # Shard-grad-op holds every parameter whole in bf16 from its forward to its backward.
+    whole = by_name["fsdp2_shard_grad_op"]["buffer_parts"]["fsdp2_whole_params"]
+    assert whole == 2 * (PUBLISHED_PARAMS["gpt2-xl"] + 7 * 1600)
+    assert by_name["fsdp2_full_shard"]["buffer_parts"]["fsdp2_whole_params"] < whole / 10
     recommended = data["recommendation"]["strategy"]
     assert recommended != "ddp"
     chosen = next(r for r in data["strategies"] if r["strategy"] == recommended)
@@ -531,3 +687,30 @@ def test_a_custom_module_without_a_transformers_config_still_records_its_layout(
     rebuilt = plan_inputs.spec_from_record(record)
     assert rebuilt.num_params == 8 * 3 + 3
     assert sorted(n for group in rebuilt.param_groups for n in group) == [3, 24]
+    # FSDP2's layout too: the shapes, and no layer (one linear layer: all the root's).
+    assert (rebuilt.param_shapes, rebuilt.param_units) == (((3, 8), (3,)), (-1, -1))
+    assert rebuilt == spec
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2_shard_grad_op", "fsdp2_full_shard"])
+def test_against_an_fsdp2_run_plans_fsdp2_not_deepspeeds_layout(tmp_path, strategy):
+    """A run's report (here a Trainer run's, which records the live model's layout) names an
+    FSDP2 strategy: the plan's model states are FSDP2's, worked by hand for the small
+    layered model at N=2 (33 elements per rank: fp32 parameters and gradients, AdamW's
+    two moments, no master), whatever the accumulation; no DeepSpeed layout is read."""
+    from dpkit.plan.check import check_run, format_check
+
+    record = plan_inputs.spec_record(_small_layered_model())
+    record |= {"micro_batch_size": 1, "gradient_accumulation_steps": 4}
+    measured = {"params": 132, "grads": 132, "optimizer": 264, "master": 0}
+    ranks = [{"rank": r, **measured, "buffers": 0, "model_state_total": 528} for r in range(2)]
+    report = {
+        "strategy": strategy, "world_size": 2, "precision": "bf16", "optimizer": "adamw",
+        "device": "cuda:0", "model": record, "ranks": ranks,
+    }  # fmt: skip
+    (tmp_path / "memory_report.json").write_text(json.dumps(report))
+    check = check_run(tmp_path)
+    assert check.strategy == strategy
+    assert check.predicted == {**measured, "total": 528}
+    assert set(check.error_pct.values()) == {0.0, None}  # master: 0 predicted, 0 measured
+    assert check.grads_where == "" and "zero_layout" not in format_check(check)

@@ -89,7 +89,7 @@ def test_strategy_comes_from_flag_or_launcher(flag, deepspeed, env, expected):
             "is ZeRO-1 but",
         ),
         ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "--zero_stage 3"),
-        ("auto", None, {"ACCELERATE_USE_FSDP": "true"}, "not FSDP"),
+        ("auto", None, {"ACCELERATE_USE_FSDP": "true"}, "fsdp_version=1: dpkit runs FSDP2"),
         (
             "auto",
             None,

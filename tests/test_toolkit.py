@@ -67,7 +67,7 @@ def test_packaged_configs_are_the_repositorys():
         (path, REPO / "dpkit/configs/accelerate" / path.name)
         for path in sorted((REPO / "ds_configs" / "accelerate").glob("*.yaml"))
     ]
-    assert len(pairs) == 5
+    assert len(pairs) == 7
     for user_copy, packaged in pairs:
         assert packaged.read_bytes() == user_copy.read_bytes(), f"{packaged} != {user_copy}"
 
@@ -145,7 +145,8 @@ def readme_example() -> str:
 @pytest.fixture(scope="module")
 def own_script(tmp_path_factory, wheel_env):
     """The README example in a folder of its own, with data and a copy of ds_configs/, run
-    against the wheel as DDP (torchrun) and as ZeRO-2 (accelerate launch, the shipped YAML)."""
+    against the wheel as DDP (torchrun), as ZeRO-2 and as FSDP2 full-shard (accelerate launch,
+    the shipped YAMLs)."""
     folder = tmp_path_factory.mktemp("own_script")
     (folder / "train.py").write_text(readme_example())
     with open(rotten_tomatoes_csv()) as source, open(folder / "reviews.csv", "w") as target:
@@ -157,6 +158,9 @@ def own_script(tmp_path_factory, wheel_env):
                 "train.py"],
         "zero2": ["accelerate", "launch", "--config_file", "ds_configs/accelerate/zero2.yaml",
                   "--num_processes", "2", "--main_process_port", str(free_port()), "train.py"],
+        "fsdp2_full_shard": ["accelerate", "launch", "--config_file",
+                             "ds_configs/accelerate/fsdp2_full_shard.yaml", "--num_processes", "2",
+                             "--main_process_port", str(free_port()), "train.py"],
     }  # fmt: skip
     results = {}
     for name, cmd in launches.items():
@@ -170,7 +174,7 @@ def own_script(tmp_path_factory, wheel_env):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["ddp", "zero2"])
+@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp2_full_shard"])
 def test_readme_example_runs_against_the_wheel(own_script, name):
     result, out = own_script[name]
     output = result.stdout + result.stderr
@@ -178,9 +182,11 @@ def test_readme_example_runs_against_the_wheel(own_script, name):
     strategy_lines = [line for line in output.splitlines() if "strategy=" in line]
     assert len(strategy_lines) == 1, output[-3000:]  # logged once, by the main process
     assert f"strategy={name}" in strategy_lines[0] and "world_size=2" in strategy_lines[0]
-    wrapper = (
-        "DistributedDataParallel" if name == "ddp" else "DeepSpeedEngine+DeepSpeedZeroOptimizer"
-    )
+    wrapper = {
+        "ddp": "DistributedDataParallel",
+        "zero2": "DeepSpeedEngine+DeepSpeedZeroOptimizer",
+        "fsdp2_full_shard": "FSDP2 fully_shard (8 units)+AdamW",
+    }[name]
     assert f"wrapper={wrapper}" in strategy_lines[0]
     report = json.loads((out / "out" / "memory_report.json").read_text())
     assert report["strategy"] == name and len(report["ranks"]) == 2
@@ -193,8 +199,8 @@ def test_readme_example_runs_against_the_wheel(own_script, name):
 
 @pytest.mark.multiprocess
 def test_readme_example_losses_agree_across_strategies(own_script):
-    """The example seeds its head, dropout and data order: DDP and ZeRO-2 train the same
-    model on the same batches, so their losses agree (measured here: equal to the 4
+    """The example seeds its head, dropout and data order: DDP, ZeRO-2 and FSDP2 train the
+    same model on the same batches, so their losses agree (measured here: equal to the 4
     printed decimals)."""
     losses = {}
     for name, (result, _) in own_script.items():
@@ -202,9 +208,11 @@ def test_readme_example_losses_agree_across_strategies(own_script):
         losses[name] = [
             float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", result.stdout + result.stderr)
         ]
-    assert len(losses["ddp"]) == len(losses["zero2"]) == 6
-    # The tolerance of tests/test_launchers.py (DDP against ZeRO, argued there).
+    assert len(losses["ddp"]) == len(losses["zero2"]) == len(losses["fsdp2_full_shard"]) == 6
+    # The tolerance of tests/test_launchers.py (DDP against ZeRO, argued there); FSDP2's
+    # losses are printed to 4 decimals, so the same bound holds them.
     assert max_rel_diff(losses["ddp"], losses["zero2"]) < 2e-3
+    assert max_rel_diff(losses["ddp"], losses["fsdp2_full_shard"]) < 2e-3
 
 
 PLAIN_SCRIPT = """

@@ -279,6 +279,11 @@ def test_a_failed_trial_is_recorded_and_sigterm_stops_after_the_running_one(tmp_
         ),
         ([], [*LM_ARGS, "--micro-batch-size", "8"], "dpkit tune sets --micro-batch-size"),
         (["--strategies", "ddp,zero3"], LM_ARGS, "strategies='ddp,zero3'"),
+        (
+            ["--strategies", "fsdp2_full_shard"],
+            LM_ARGS,
+            "strategies='fsdp2_full_shard': dpkit tune does not run FSDP2 yet",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2_before_any_launch(tmp_path, flags, recipe_args, message):

@@ -6,6 +6,7 @@ The launches (the figures these choices are made on) are in tests/test_tune.py.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,15 @@ def test_losses_that_disagree_with_ddp_make_a_candidate_ineligible():
     ("config", "message"),
     [
         ({"strategies": ("ddp", "zero3")}, "strategies='ddp,zero3'"),
+        (
+            {"strategies": ("ddp", "fsdp2_shard_grad_op")},
+            "strategies='ddp,fsdp2_shard_grad_op': dpkit tune does not run FSDP2 yet "
+            "(fsdp2_shard_grad_op); one of ddp,zero1,zero2",
+        ),
+        (
+            {"baseline_strategy": "fsdp2_full_shard"},
+            "baseline_strategy='fsdp2_full_shard': dpkit tune does not run FSDP2 yet",
+        ),
         ({"steps": 0}, "steps=0: must be >= 1"),
         ({"zero_bucket_sizes": (3,)}, "3 is not a multiple of 2"),
         ({"tie_tolerance": 1.5}, "tie_tolerance=1.5"),
@@ -122,8 +132,13 @@ def test_losses_that_disagree_with_ddp_make_a_candidate_ineligible():
     ],
 )
 def test_a_bad_config_is_refused_when_built(config, message):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+    with pytest.raises(UsageError, match=re.escape(message)):
         TuneConfig(**config)
+
+
+def test_the_tune_tries_ddp_and_zero_by_default():
+    """The recipes run FSDP2 too, but the tune has no FSDP2 trials yet."""
+    assert TuneConfig().strategies == ("ddp", "zero1", "zero2")
 
 
 def test_flag_values_parse_or_name_the_flag():

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -33,7 +34,27 @@ from dpkit.train.config import parse_args
 
 
 def main() -> None:
+    """The bare DDP loop (no wrapper at one process: the floor)."""
     workload, precision = parse_args(lm_data.LMWorkload, lm_data.BarePrecision)
+    train_bare(workload, precision, wrap_ddp)
+
+
+def wrap_ddp(model: torch.nn.Module, device: torch.device, bf16: bool) -> torch.nn.Module:
+    """torch's DDP with its defaults, one device per process on GPUs."""
+    if dist.get_world_size() == 1:
+        return model
+    return DistributedDataParallel(
+        model, device_ids=[device.index] if device.type == "cuda" else None
+    )
+
+
+def train_bare(
+    workload: lm_data.LMWorkload,
+    precision: lm_data.BarePrecision,
+    wrap: Callable[[torch.nn.Module, torch.device, bool], torch.nn.Module],
+) -> None:
+    """The LM workload's loop around ``wrap(model, device, bf16)``: the parallel wrapper
+    is the only thing the bare loops (DDP, FSDP2) choose."""
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend)
     rank, world_size = dist.get_rank(), dist.get_world_size()
@@ -49,11 +70,7 @@ def main() -> None:
     config = lm_data.lm_config(workload)
     dataset = lm_data.token_blocks(workload, config.vocab_size)
     lm_data.check_enough_blocks(dataset, workload, world_size)
-    model = lm_data.build_lm(config, workload.seed).to(device)
-    if world_size > 1:
-        model = DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None
-        )
+    model = wrap(lm_data.build_lm(config, workload.seed).to(device), device, precision.bf16)
     # dpkit's own AdamW (fused where torch has it): the ratio measures dpkit, not the kernel.
     optimizer = adamw(
         adamw_param_groups(model, workload.weight_decay),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dpkit.bench.launch import DEFAULT_LAUNCH_TIMEOUT_S
 from dpkit.errors import UsageError
-from dpkit.strategy import RUNNABLE
+from dpkit.strategy import DDP_AND_ZERO, RUNNABLE
 
 # Not 4: on the 2-core CPU machine the default bench at 4 processes took 13.7 min
 # (docs/bench-cpu-4proc.md, a shared machine) against 2.2 at 2 (docs/bench-cpu-2proc.md),
@@ -42,6 +42,7 @@ WORKLOADS = ("lm", "classification")
 # max length 128, DDP and ZeRO-2 against the Trainer; 3 interleaved repeats because
 # four identical 40-step runs on this machine spread from 76 to 90 s.
 CLASSIFICATION_STRATEGIES = "ddp,zero2"
+RUNNABLE_NAMES = tuple(s.name for s in RUNNABLE)
 CLASSIFICATION_REPEATS = 3
 CLASSIFICATION_MICRO_BATCH = 32
 CLASSIFICATION_SEQ_LEN = 128
@@ -107,8 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategies",
         default=None,
-        help=f"comma-separated: {names} (default: all for lm, "
-        f"{CLASSIFICATION_STRATEGIES} for classification)",
+        help=f"comma-separated: {names} (default: all for lm; {CLASSIFICATION_STRATEGIES} for "
+        "classification, which runs DDP and ZeRO only)",
     )
     parser.add_argument(
         "--no-bare",
@@ -160,11 +161,16 @@ def _parse_overrides(items: list[str]) -> dict:
     return overrides
 
 
-def _parse_strategies(text: str) -> list[str]:
+def _parse_strategies(text: str, classification: bool) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
-    runnable = [s.name for s in RUNNABLE]
-    if not names or set(names) - set(runnable) or len(set(names)) != len(names):
-        raise UsageError(f"--strategies={text!r}: a list of distinct {', '.join(runnable)}")
+    allowed = [s.name for s in (DDP_AND_ZERO if classification else RUNNABLE)]
+    if classification and any(n in RUNNABLE_NAMES and n not in allowed for n in names):
+        raise UsageError(
+            f"--strategies={text!r}: the classification workload's Trainer baseline runs "
+            f"{', '.join(allowed)}; FSDP2 runs in --workload lm"
+        )
+    if not names or set(names) - set(allowed) or len(set(names)) != len(names):
+        raise UsageError(f"--strategies={text!r}: a list of distinct {', '.join(allowed)}")
     return names
 
 
@@ -210,7 +216,8 @@ def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
     strategies = _parse_strategies(
         args.strategies
         if args.strategies is not None
-        else (CLASSIFICATION_STRATEGIES if classification else ",".join(s.name for s in RUNNABLE))
+        else (CLASSIFICATION_STRATEGIES if classification else ",".join(RUNNABLE_NAMES)),
+        classification,
     )
     if args.steps < 1:
         raise UsageError(f"--steps={args.steps}: must be >= 1")

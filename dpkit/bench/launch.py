@@ -195,8 +195,9 @@ def dpkit_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) 
 
 
 def bare_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -> Phase:
-    """The bare twin of ``strategy``: plain torch DDP under ``torchrun``, or plain
-    ``deepspeed.initialize`` at the same ZeRO stage under ``deepspeed``."""
+    """The bare twin of ``strategy``: plain torch DDP or FSDP2 (``fully_shard``, same
+    mode) under ``torchrun``, or plain ``deepspeed.initialize`` at the same ZeRO stage
+    under ``deepspeed``."""
     name = repeat_name(bare_run_name(strategy), repeat)
     run_dir = out / "runs" / name
     nproc, port = str(settings["nproc"]), str(free_port())
@@ -212,9 +213,13 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -
             "--zero-stage", str(strategy.zero_stage), *tail,
         ]  # fmt: skip
         return Phase(name, strategy, True, "deepspeed", cmd, run_dir, repeat=repeat)
+    module = ["--module", "dpkit.bench.bare_ddp"]
+    if strategy.uses_fsdp2:
+        reshard = str(strategy.reshard_after_forward).lower()
+        module = ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", reshard]
     cmd = [
         launcher_path("torchrun"), "--nproc_per_node", nproc, "--master_port", port,
-        "--module", "dpkit.bench.bare_ddp", *tail,
+        *module, *tail,
     ]  # fmt: skip
     return Phase(name, strategy, True, "torchrun", cmd, run_dir, repeat=repeat)
 

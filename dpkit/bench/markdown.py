@@ -145,7 +145,7 @@ def _gradient_lines(results: dict[str, Any]) -> list[str]:
     reference = runs.get(REFERENCE.name)
     lines = []
     for strategy in result_strategies(results):
-        if strategy.zero_stage != 2 or reference is None:
+        if not strategy.uses_deepspeed or strategy.zero_stage != 2 or reference is None:
             continue
         memory, plan = runs[strategy.name]["memory"], runs[strategy.name]["plan"]
         share = max((r["grads_partition"] or 0.0) for r in memory["ranks"])

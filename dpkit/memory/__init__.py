@@ -8,6 +8,7 @@
 * :mod:`~dpkit.memory.report`: measured rows against the prediction, as a table and JSON;
 * :mod:`~dpkit.memory.analytic`: the ZeRO paper's per-rank accounting (the prediction);
 * :mod:`~dpkit.memory.zero_layout`: gradients as DeepSpeed's partition layout holds them;
+* :mod:`~dpkit.memory.fsdp2_layout`: FSDP2's padded shards and the whole tensors it holds in a step;
 * :mod:`~dpkit.memory.settings`: DDP and ZeRO settings that keep buffers small, with reasons.
 
 Names are imported on first use, so ``dpkit plan`` can read the accounting without torch.

@@ -19,6 +19,13 @@ The byte counts are those of the engines dpkit drives (a :class:`~dpkit.strategy
   the rank's 16-bit gradient partition to an fp32 gradient for the master while the
   16-bit gradients are still held (``stage_1_and_2.py``, the step): gradients then
   peak at (2 + 4) x Psi/N, not the paper's 2 x Psi/N (:func:`paper_grad_bytes`).
+* ``fsdp2`` (torch ``fully_shard``, both modes): parameters, gradients and optimizer
+  state are all sharded over N and stay fp32 in bf16 runs too (the 16-bit copy the
+  compute uses is transient: :mod:`dpkit.memory.fsdp2_layout`); no master copy. Per
+  rank 4 + 4 + K bytes per parameter, over N: ZeRO-3's sharding even in
+  shard-grad-op mode, which differs only in how long parameters stay whole. With the
+  parameters' shapes known the figure is exact for the worst rank (each parameter's
+  dim 0 padded to a multiple of N); from a bare count it is Psi/N.
 
 The memory report (:mod:`dpkit.memory.report`) and the planner (``dpkit plan``)
 both call :func:`model_state_bytes`; neither computes these figures itself.
@@ -26,10 +33,11 @@ both call :func:`model_state_bytes`; neither computes these figures itself.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
 
+from dpkit.memory import fsdp2_layout
 from dpkit.strategy import DDP, Strategy, get_strategy
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -89,6 +97,7 @@ def model_state_bytes(
     world_size: int,
     precision: str = "fp32",
     optimizer: str = "adamw",
+    param_shapes: Sequence[Sequence[int]] | None = None,
 ) -> ModelStateBytes:
     """Per-rank model-state bytes for ``strategy`` at ``world_size`` ranks.
 
@@ -98,6 +107,9 @@ def model_state_bytes(
         world_size: data-parallel ranks N that shard the states.
         precision: ``fp32`` (or accelerate's ``no``), or ``bf16``/``fp16`` mixed precision.
         optimizer: a key of :data:`OPTIMIZER_STATE_BYTES`.
+        param_shapes: every parameter's shape (tied ones once), if known: FSDP2 then gets
+            its worst rank's exact figure, dim 0 of each parameter padded to a multiple of
+            N; the other strategies do not depend on shapes.
     """
     if num_params <= 0:
         raise ValueError(f"num_params must be positive, got {num_params}")
@@ -110,6 +122,8 @@ def model_state_bytes(
             f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
         )
     psi, n = float(num_params), float(world_size)
+    if strategy.uses_fsdp2:
+        return _fsdp2_state_bytes(psi, world_size, optimizer, param_shapes)
     stage = strategy.zero_stage
 
     # ZeRO shards optimizer state and master weights from stage 1, gradients from
@@ -139,12 +153,34 @@ def model_state_bytes(
     return ModelStateBytes(params=params, grads=grads, optimizer=optimizer_bytes, master=master)
 
 
+def _fsdp2_state_bytes(
+    psi: float, world_size: int, optimizer: str, shapes: Sequence[Sequence[int]] | None
+) -> ModelStateBytes:
+    """FSDP2's per-rank fp32 parameters, gradients and optimizer state: each parameter's
+    ceil(d0/N) rows on rank 0 (:mod:`dpkit.memory.fsdp2_layout`), or Psi/N from a count."""
+    if shapes:
+        if fsdp2_layout.numel(shapes) != psi:
+            raise ValueError(
+                f"param_shapes hold {fsdp2_layout.numel(shapes)} elements, num_params is {psi:.0f}"
+            )
+        per_rank = float(fsdp2_layout.shard_numel(shapes, world_size))
+    else:
+        per_rank = psi / world_size
+    return ModelStateBytes(
+        params=4 * per_rank,
+        grads=4 * per_rank,
+        optimizer=OPTIMIZER_STATE_BYTES[optimizer] * per_rank,
+        master=0.0,
+    )
+
+
 def paper_grad_bytes(
     num_params: int, strategy: str | Strategy, world_size: int, precision: str = "fp32"
 ) -> float:
     """The ZeRO paper's per-rank gradient bytes: the module dtype's gradients, sharded
     from stage 2 (2 x Psi/N in mixed precision). :func:`model_state_bytes` adds what
-    DeepSpeed holds besides them at its step."""
+    DeepSpeed holds besides them at its step. FSDP2's gradients are fp32 in either mode:
+    4 x Psi/N, which :func:`model_state_bytes` pads per parameter."""
     strategy = get_strategy(strategy)
     module_bytes = dtype_bytes(precision) if strategy.uses_deepspeed else 4
     shards = world_size if strategy.zero_stage >= 2 else 1

@@ -17,6 +17,7 @@ import torch
 
 from dpkit.memory.walk import (
     CATEGORIES,
+    fsdp2_params,
     inner_torch_optimizer,
     is_zero_optimizer,
     storage_key,
@@ -44,12 +45,24 @@ def _rss_now() -> float | None:
     return float(psutil.Process().memory_info().rss)
 
 
+def _whole_param_keys(unit: torch.nn.Module) -> set[tuple[str, int, int]]:
+    """Storages of the whole parameters an FSDP2 unit holds now (its all-gather output)."""
+    return {
+        key
+        for record in fsdp2_params(unit, recurse=False)
+        for tensor in getattr(record, "all_gather_outputs", None) or []
+        if (key := storage_key(tensor)) is not None
+    }
+
+
 class _SavedActivations:
     """Bytes saved for backward during one forward: the activation memory autograd keeps.
 
     A forward pre-hook enters ``saved_tensors_hooks`` and the forward hook leaves it;
     the pack hook returns the tensor unchanged and only counts its storage once,
-    skipping parameter storages (those are model states, already counted).
+    skipping parameter storages (model states, already counted) and, under FSDP2, the
+    whole parameters each unit all-gathers for its compute (communication buffers to
+    the walk), noted as each unit starts its forward.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -64,6 +77,14 @@ class _SavedActivations:
             model.register_forward_pre_hook(self._begin),
             model.register_forward_hook(self._end, always_call=True),
         ]
+        # Registered after FSDP2's own pre-forward hooks, so they run after the all-gather.
+        for module in model.modules():
+            if module is not model and fsdp2_params(module, recurse=False):
+                self._handles.append(module.register_forward_pre_hook(self._note_whole_params))
+
+    def _note_whole_params(self, module: torch.nn.Module, args: Any) -> None:
+        if self._context is not None:
+            self._param_keys |= _whole_param_keys(module)
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         key = storage_key(tensor)
@@ -80,6 +101,7 @@ class _SavedActivations:
         if not torch.is_grad_enabled() or self._context is not None:
             return  # evaluation saves nothing for backward; nested calls count once
         self._param_keys = {k for p in module.parameters() if (k := storage_key(p)) is not None}
+        self._param_keys |= _whole_param_keys(module)
         self._seen.clear()
         self._bytes = 0.0
         self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
@@ -154,6 +176,15 @@ class StepProbes:
         zero = unwrap_optimizer(optimizer)
         if is_zero_optimizer(zero):
             self._probe_zero(zero)
+        if fsdp2_params(model):
+            # FSDP2 shard-grad-op holds every unit's whole parameters from the end of the
+            # forward until each unit's backward: the largest moment of its buffers.
+            handle = model.register_forward_hook(self._after_forward)
+            self._removers.append(handle.remove)
+
+    def _after_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():  # a training forward; evaluation keeps nothing
+            self.probe("forward_end")
 
     def _per_group(self, point: str) -> str:
         return f"{point} (group {self._group})" if self._zero_groups > 1 else point

@@ -69,11 +69,19 @@ class MemoryReport:
     # (a Transformers Trainer run): dpkit.plan.inputs.spec_record of the live model, with
     # the optimizer's own parameter groups, and the micro-batch.
     model: dict[str, Any] | None = None
+    # FSDP2: every trainable parameter's whole shape, so the prediction pads each dim 0 to
+    # a multiple of N as fully_shard does (None: the count's Psi/N).
+    param_shapes: list[list[int]] | None = None
 
     @property
     def predicted(self) -> ModelStateBytes:
         return model_state_bytes(
-            self.num_params, self.strategy, self.world_size, self.precision, self.optimizer_name
+            self.num_params,
+            self.strategy,
+            self.world_size,
+            self.precision,
+            self.optimizer_name,
+            param_shapes=self.param_shapes,
         )
 
     @property
@@ -205,6 +213,7 @@ class MemoryReport:
             "offload_optimizer": self.offload_optimizer,
             "notes": list(self.notes),
             **({"model": self.model} if self.model is not None else {}),
+            **({"param_shapes": self.param_shapes} if self.param_shapes is not None else {}),
         }
 
     @classmethod
@@ -223,6 +232,7 @@ class MemoryReport:
             largest_param=data.get("largest_param"),
             offload_optimizer=data.get("offload_optimizer"),
             model=data.get("model"),
+            param_shapes=data.get("param_shapes"),
         )
 
     def save(self, path: str | Path) -> None:

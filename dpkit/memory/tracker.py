@@ -45,6 +45,12 @@ def count_params(model: torch.nn.Module) -> int:
     return count_parameters(unwrap_module(model), trainable_only=True)
 
 
+def param_shapes(model: torch.nn.Module) -> list[list[int]]:
+    """The whole shape of every trainable parameter, each once (``parameters()`` yields a
+    tied one once; an FSDP2 shard reports its whole tensor's shape)."""
+    return [list(p.shape) for p in unwrap_module(model).parameters() if p.requires_grad]
+
+
 def largest_param(model: torch.nn.Module) -> dict[str, Any] | None:
     """Name and size of the model's largest parameter."""
     named = list(unwrap_module(model).named_parameters())
@@ -300,6 +306,7 @@ class MemoryTracker:
             notes=notes,
             largest_param=largest_param(self.model),
             offload_optimizer=self.offload_optimizer,
+            param_shapes=param_shapes(self.model) if self.strategy.uses_fsdp2 else None,
         )
 
     def log_report(self, step: int | None = None) -> MemoryReport | None:

@@ -28,8 +28,17 @@ from dpkit.memory.settings import ZERO_MEMORY_KEYS
 _ZERO_MARKERS = ("single_partition_of_fp32_groups", "bit16_groups_flat")
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (an FSDP2 parameter, gradient or Adam moment),
+    whose own storage reports the whole tensor's size; any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
 def storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
     """A key for the tensor's storage, or None for tensors without memory (meta, empty)."""
+    tensor = local_shard(tensor)
     if tensor.is_sparse or tensor.device.type == "meta":
         return None
     try:
@@ -57,6 +66,7 @@ class Ledger:
         """Count ``tensor``'s storage under ``category``/``holder`` unless already counted."""
         if not isinstance(tensor, torch.Tensor):
             return False
+        tensor = local_shard(tensor)
         key = storage_key(tensor)
         if key is None or key in self._owner:
             return False
@@ -201,6 +211,54 @@ def _walk_torch(ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[
             )
     _claim_module_buffers(ledger, module)
     return info
+
+
+def fsdp2_params(model: torch.nn.Module, recurse: bool = True) -> list[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``: the shard, the all-gathered whole
+    parameter, its gradient before the reduce-scatter) of every unit in ``model`` (of
+    ``model`` alone if not ``recurse``); torch-internal attributes (torch 2.6-2.13), read
+    with defaults so that a renamed one costs a holder, not a crash. Empty for a model
+    without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    records = []
+    for module in model.modules() if recurse else (model,):
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        records += list(getattr(group, "fsdp_params", None) or [])
+    return records
+
+
+def _walk_fsdp2(ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """FSDP2: each rank's parameter, gradient and Adam-moment shards (DTensor local
+    storages, padded on dim 0 to a multiple of N) as model states; the whole parameters
+    and gradients that exist only inside a forward/backward (a unit's all-gather
+    output, its reduce-scatter input) as communication buffers, beside DDP's and ZeRO's
+    buckets. The module's attributes point at the whole parameters during the compute,
+    so the walk goes through FSDP2's records, not ``module.parameters()``."""
+    records = fsdp2_params(model)
+    shards = [getattr(r, "sharded_param", None) for r in records]
+    ledger.claim_all(shards, "params", "parameter shards")
+    for record in records:
+        ledger.claim_all(
+            getattr(record, "all_gather_outputs", None) or [],
+            "buffers",
+            "whole parameters (FSDP2 all-gather output)",
+        )
+    torch_opt = inner_torch_optimizer(optimizer)
+    _claim_optimizer_state(ledger, torch_opt)
+    ledger.claim_all((getattr(p, "grad", None) for p in shards), "grads", "gradient shards")
+    whole = (getattr(r, "_unsharded_param", None) for r in records)
+    ledger.claim_all(
+        (getattr(p, "grad", None) for p in whole),
+        "buffers",
+        "whole gradients (FSDP2 reduce-scatter input)",
+    )
+    _claim_module_buffers(ledger, model)
+    return {"kind": "fsdp2"}
 
 
 def _partition_bounds(zero: Any, group: int) -> tuple[torch.Tensor, int, int] | None:
@@ -386,6 +444,8 @@ def walk(
         owner = unwrap_optimizer(getattr(model, "optimizer", None))
     if is_zero_optimizer(owner):
         info = _walk_zero(ledger, model, owner)
+    elif fsdp2_params(model):
+        info = _walk_fsdp2(ledger, model, optimizer)
     else:
         info = _walk_torch(ledger, model, optimizer)
     for tensor, category, holder in extra:

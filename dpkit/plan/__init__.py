@@ -1,4 +1,4 @@
-"""``dpkit plan``: per-GPU memory of DDP and ZeRO before launching, and the least sharding that fits.
+"""``dpkit plan``: per-GPU memory of DDP, ZeRO and FSDP2 before launching, and the least sharding that fits.
 
 One job per module, each importing only those above it in this list:
 

@@ -1,4 +1,4 @@
-"""``dpkit plan``: per-GPU memory of DDP and ZeRO before launching, and the least sharding that fits.
+"""``dpkit plan``: per-GPU memory of DDP, ZeRO and FSDP2 before launching, and the least sharding that fits.
 
     dpkit plan --model gpt2-xl                    # bundled config; 8 x 80GiB, bf16, AdamW
     dpkit plan --model llama-7b --gpu-memory 24GB --activation-checkpointing

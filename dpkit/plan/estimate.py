@@ -2,9 +2,10 @@
 
 :func:`estimate` adds, for one :class:`~dpkit.strategy.Strategy`: model states from
 :func:`dpkit.memory.analytic.model_state_bytes` (the memory report's prediction), with
-ZeRO-1/2's gradients as DeepSpeed lays them out (:func:`gradient_layout`); activations
-from :mod:`dpkit.plan.activations`; buffers (:func:`buffer_bytes`) with the settings
-dpkit runs with (:func:`buffer_settings`); the optimizer step's temporaries
+ZeRO-1/2's gradients as DeepSpeed lays them out (:func:`gradient_layout`) and FSDP2's
+padded per parameter; activations from :mod:`dpkit.plan.activations`; buffers
+(:func:`buffer_bytes`: communication buffers, and FSDP2's whole parameters) with the
+settings dpkit runs with (:func:`buffer_settings`); the optimizer step's temporaries
 (:func:`step_bytes`); and a runtime reserve. :func:`largest_micro_batch` searches on
 :func:`estimate` itself; choosing a strategy is :mod:`dpkit.plan.recommend`'s job.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from dpkit.memory import fsdp2_layout
 from dpkit.memory.analytic import dtype_bytes, model_state_bytes, paper_grad_bytes
 from dpkit.memory.zero_layout import GradientHighWater, gradient_high_water
 from dpkit.plan.activations import ActivationProfile
@@ -82,9 +84,13 @@ def buffer_bytes(
     * ZeRO-3: one reduce bucket, the largest layer gathered whole with its
       16-bit gradient (DeepSpeed's ``largest_layer_memory``), the prefetch
       bucket, and the small tensors every rank keeps whole.
+    * FSDP2: what ``fully_shard`` holds whole in the compute dtype at the start of
+      backward (:func:`fsdp2_buffer_bytes`).
     """
     strategy = get_strategy(strategy)
     module_bytes = dtype_bytes(precision)
+    if strategy.uses_fsdp2:
+        return fsdp2_buffer_bytes(strategy, spec, world_size, precision)
     if not strategy.uses_deepspeed:
         return {
             "ddp_gradient_buckets": 0.0 if settings["gradient_as_bucket_view"] else ddp_grad_bytes
@@ -98,6 +104,36 @@ def buffer_bytes(
         parts["prefetch_bucket"] = module_bytes * settings["stage3_prefetch_bucket_size"]
         parts["persistent_small_tensors"] = module_bytes * spec.small_tensor_params
     return parts
+
+
+def fsdp2_buffer_bytes(
+    strategy: str | Strategy, spec: ModelSpec, world_size: int, precision: str
+) -> dict[str, float]:
+    """FSDP2's whole parameters and gradients per GPU at the start of backward, by name
+    (:func:`dpkit.memory.fsdp2_layout.transient_bytes`), in the compute dtype (bf16/fp16
+    under mixed precision: ``MixedPrecisionPolicy.param_dtype``).
+
+    Shard-grad-op keeps every layer's parameters whole from its forward to its backward:
+    about the whole model again, in the compute dtype. Full-shard keeps the root's and
+    about two layers'. Both hold the root's whole gradients through backward and one
+    unit's whole gradients with its fp32 reduce-scatter input. A bare ``--params`` has no
+    layout: shard-grad-op's whole parameters are then Psi in the compute dtype, and
+    nothing else is counted.
+    """
+    strategy = get_strategy(strategy)
+    compute_bytes = dtype_bytes(precision)
+    if not spec.param_shapes:
+        if strategy.reshard_after_forward:
+            return {}
+        return {"fsdp2_whole_params": float(compute_bytes * spec.num_params)}
+    parts = fsdp2_layout.transient_bytes(
+        spec.param_shapes,
+        spec.param_units,
+        world_size,
+        compute_bytes,
+        strategy.reshard_after_forward,
+    )
+    return {f"fsdp2_{name}": value for name, value in parts.items()}
 
 
 def step_bytes(
@@ -225,9 +261,14 @@ def gradient_layout(
     """ZeRO-1/2's gradient holding on its worst rank, from the parameter layout
     (:mod:`dpkit.memory.zero_layout`); None where the paper's figure stands (DDP holds
     exactly its gradients, offload keeps them off the GPU, ZeRO-3 is for reference,
-    and a bare ``--params`` has no layout)."""
+    and a bare ``--params`` has no layout; FSDP2 is not DeepSpeed)."""
     strategy = get_strategy(strategy)
-    if strategy.zero_stage not in (1, 2) or strategy.offload or not inputs.model.param_groups:
+    if (
+        not strategy.uses_deepspeed
+        or strategy.zero_stage not in (1, 2)
+        or strategy.offload
+        or not inputs.model.param_groups
+    ):
         return None
     return _worst_rank_gradients(
         inputs.model.param_groups,
@@ -287,15 +328,23 @@ def estimate(
     if optimizer is None:
         return StrategyEstimate(strategy.name, applicable=False)
     num_params = inputs.model.num_params
-    states = model_state_bytes(num_params, strategy, inputs.world_size, inputs.precision, optimizer)
+    states = model_state_bytes(
+        num_params,
+        strategy,
+        inputs.world_size,
+        inputs.precision,
+        optimizer,
+        param_shapes=inputs.model.param_shapes or None,
+    )
     activation_parts: dict[str, float] = {}
     if activations is not None:
         activation_parts = activations.parts(micro_batch)
-    if not strategy.uses_deepspeed and inputs.precision != "fp32":
+    if strategy.engine == "ddp" and inputs.precision != "fp32":
         # DDP's mixed precision is autocast: it casts each weight to 16 bits once
         # per forward and keeps the copy for backward (the matmul saves it): the
         # memory report sees these among saved tensors. Norm weights and position
-        # embeddings are not cast, so this is an upper bound.
+        # embeddings are not cast, so this is an upper bound. (FSDP2's matmuls save
+        # its whole 16-bit parameters, counted among its buffers.)
         activation_parts["autocast_weight_copies"] = 2.0 * num_params
     buffers = buffer_bytes(
         strategy, inputs.model, inputs.world_size, inputs.precision, settings, states.grads

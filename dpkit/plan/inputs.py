@@ -157,6 +157,13 @@ class ModelSpec:
     param_order: tuple[tuple[int, int], ...] = ()
     """(group, index in ``param_groups``) of every parameter in the model's own order:
     backward produces their gradients roughly in reverse. Empty for a bare count."""
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+    """The shape of every parameter in the model's own order (tied ones once): FSDP2 shards
+    each on dim 0 (:mod:`dpkit.memory.fsdp2_layout`). Empty for a bare count."""
+    param_units: tuple[int, ...] = ()
+    """For each of ``param_shapes``, the FSDP2 unit holding it: the index of the
+    transformer layer (a module of a class in the model's ``_no_split_modules``) it is
+    in, or -1 for the root (embeddings, head, final norm). Empty for a bare count."""
 
     @property
     def has_shapes(self) -> bool:
@@ -252,6 +259,7 @@ def spec_from_model(
     if param_groups is None:
         param_groups = [group["params"] for group in adamw_param_groups(model, 0.0)]
     where = {id(p): (g, i) for g, group in enumerate(param_groups) for i, p in enumerate(group)}
+    unit_of = fsdp2_units(model)
     return ModelSpec(
         name=name,
         source=source,
@@ -262,7 +270,33 @@ def spec_from_model(
         gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
         param_groups=tuple(tuple(p.numel() for p in group) for group in param_groups),
         param_order=tuple(where[id(p)] for p in params if id(p) in where),
+        param_shapes=tuple(tuple(int(d) for d in p.shape) for p in params),
+        param_units=tuple(unit_of.get(id(p), -1) for p in params),
     )
+
+
+def fsdp2_units(model: Any) -> dict[int, int]:
+    """``id(parameter)`` -> the index of the layer dpkit's FSDP2 makes a unit of it in, for
+    the parameters inside one (the innermost where they nest); the rest belong to the
+    root. The layer classes are the ones a run picks by default
+    (:func:`dpkit.train.fsdp2.layer_classes`); a model without any has only the root. A
+    module ``fully_shard`` already wrapped keeps its class among its bases, so a live
+    model reads the same."""
+    from dpkit.train.fsdp2 import layer_classes
+
+    try:
+        classes = set(layer_classes(model, asked_by="dpkit plan"))
+    except UsageError:  # no recognisable layers: a run would need --fsdp-layer-classes
+        classes = set()
+    unit_of: dict[int, int] = {}
+    index = 0
+    for module in model.modules():  # parents first: an inner layer overrides its parent
+        if module is model or not any(c.__name__ in classes for c in type(module).__mro__):
+            continue
+        for param in module.parameters():
+            unit_of[id(param)] = index
+        index += 1
+    return unit_of
 
 
 def spec_record(spec: ModelSpec) -> dict[str, Any]:
@@ -270,6 +304,8 @@ def spec_record(spec: ModelSpec) -> dict[str, Any]:
     record = {f.name: getattr(spec, f.name) for f in fields(ModelSpec) if f.name != "config"}
     record["param_groups"] = [list(group) for group in spec.param_groups]
     record["param_order"] = [list(where) for where in spec.param_order]
+    record["param_shapes"] = [list(shape) for shape in spec.param_shapes]
+    record["param_units"] = list(spec.param_units)
     # A transformers config rebuilds from its dict (spec_from_record); any other object a
     # custom module calls its config does not, and the layout alone plans model states.
     to_dict = getattr(spec.config, "to_dict", None)
@@ -292,12 +328,16 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
                 f"--against: cannot rebuild the config of {record.get('name')!r} "
                 f"({first_line(err)})"
             ) from None
-    known = {f.name for f in fields(ModelSpec)} - {"config", "param_groups", "param_order"}
+    laid_out = {"param_groups", "param_order", "param_shapes", "param_units"}
+    known = {f.name for f in fields(ModelSpec)} - {"config"} - laid_out
     return ModelSpec(
         **{k: v for k, v in record.items() if k in known},
         config=config,
         param_groups=tuple(tuple(group) for group in record.get("param_groups", ())),
         param_order=tuple(tuple(where) for where in record.get("param_order", ())),
+        # Reports written before FSDP2 have no shapes: its figures are then Psi/N.
+        param_shapes=tuple(tuple(shape) for shape in record.get("param_shapes", ())),
+        param_units=tuple(record.get("param_units", ())),
     )
 
 

@@ -13,7 +13,10 @@ from typing import Any
 from dpkit.plan.estimate import StrategyEstimate
 from dpkit.plan.inputs import GIB, PlanInputs
 from dpkit.plan.recommend import Plan, format_gib
-from dpkit.strategy import get_strategy
+from dpkit.strategy import STRATEGIES, get_strategy
+
+# The first column fits the longest label ("FSDP2 shard-grad-op").
+LABEL_WIDTH = max(len(s.label) for s in STRATEGIES.values()) + 2
 
 # What the estimate leaves out: printed with every plan, so no figure is read as more.
 NOT_COUNTED = (
@@ -70,17 +73,39 @@ def _row_line(row: StrategyEstimate, plan: Plan) -> str:
     """One strategy's line of the table."""
     inputs = plan.inputs
     if not row.applicable:
-        return f"{row.label:<15}  n/a: --optimizer {inputs.optimizer} needs offload"
+        return f"{row.label:<{LABEL_WIDTH}}  n/a: --optimizer {inputs.optimizer} needs offload"
     figures = (row.params, row.grads, row.optimizer, row.master, row.activations, row.step)
     free = (inputs.gpu_memory - row.total) / inputs.gpu_memory
     fits = f"{'yes' if plan.fits(row) else 'no'} ({free:.0%})"
     largest = plan.largest_micro_batches[row.strategy]
     largest_text = "-" if largest is None else str(largest)
     return (
-        f"{row.label:<15}"
+        f"{row.label:<{LABEL_WIDTH}}"
         + "".join(f"{v / GIB:>8.2f}" for v in figures)
         + f"{row.buffers / GIB:>9.2f}{row.reserve / GIB:>9.2f}{row.total / GIB:>8.2f}"
         + f"  {fits:<13}{largest_text:>15}"
+    )
+
+
+def _fsdp2_line(row: StrategyEstimate) -> str:
+    """What an FSDP2 row's buffers hold whole, for the notes under the table."""
+    parts = row.buffer_parts
+    if "fsdp2_reduce_scatter" not in parts:
+        return f"  {row.label}: a bare --params has no layout: " + (
+            "whole gradients not counted"
+            if "fsdp2_whole_params" in parts
+            else "whole parameters and gradients not counted"
+        )
+    held = (
+        "the root's and two layers'"
+        if get_strategy(row.strategy).reshard_after_forward
+        else "every layer's and the root's, each from its forward to its backward"
+    )
+    grads = parts["fsdp2_root_whole_grads"] + parts["fsdp2_reduce_scatter"]
+    return (
+        f"  {row.label}: whole parameters {format_gib(parts['fsdp2_whole_params'])} ({held}, "
+        f"in the compute dtype), whole gradients and reduce-scatter input {format_gib(grads)} "
+        "(dpkit.memory.fsdp2_layout)"
     )
 
 
@@ -88,7 +113,7 @@ def format_table(plan: Plan) -> str:
     """The human-readable plan."""
     inputs = plan.inputs
     header = (
-        f"{'GiB per GPU':<15}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}{'activ':>8}"
+        f"{'GiB per GPU':<{LABEL_WIDTH}}{'params':>8}{'grads':>8}{'optim':>8}{'master':>8}{'activ':>8}"
         f"{'step':>8}{'buffers':>9}{'reserve':>9}{'total':>8}  {'fits (free)':<13}"
         f"{'max micro-batch':>15}"
     )
@@ -111,6 +136,7 @@ def format_table(plan: Plan) -> str:
         else "DDP's buckets copy every gradient"
     )
     laid_out = [r for r in plan.rows if r.applicable and r.grads_where]
+    fsdp2 = [r for r in plan.rows if r.applicable and get_strategy(r.strategy).uses_fsdp2]
     lines += [
         total_rule,
         *(
@@ -129,6 +155,7 @@ def format_table(plan: Plan) -> str:
         f"buffers: {ddp_buckets}; ZeRO reduce bucket {settings['reduce_bucket_size']:,} "
         f"elements, overlap_comm {settings['overlap_comm']} (dpkit.memory.settings over "
         "DeepSpeed's defaults)",
+        *(_fsdp2_line(r) for r in fsdp2),
         "not counted:",
         *(f"  - {item}" for item in NOT_COUNTED),
     ]

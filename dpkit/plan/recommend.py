@@ -1,8 +1,9 @@
 """The plan: every strategy's estimate, and the least sharding that fits.
 
 :func:`make_plan` estimates each strategy of :data:`dpkit.strategy.STRATEGIES`
-(least sharding first) with :func:`dpkit.plan.estimate.estimate`, recommends the
-first that fits, and says why in a sentence or two; when none fits it raises a
+with :func:`dpkit.plan.estimate.estimate`, recommends the first that fits in
+:func:`recommendation_order` (least sharding first, what dpkit runs before what it
+shows for reference), and says why in a sentence or two; when none fits it raises a
 one-line :class:`~dpkit.errors.UsageError` that names the flag to change.
 """
 
@@ -38,7 +39,8 @@ class Plan:
     largest_micro_batches: dict[str, int | None]
     """Per strategy name, the largest micro-batch that fits (None: unknown)."""
     recommended: str
-    """The name of the least sharding that fits at the requested micro-batch."""
+    """The name of the first strategy of :func:`recommendation_order` that fits at the
+    requested micro-batch."""
     reason: str
     """Why, in a sentence or two."""
 
@@ -57,9 +59,32 @@ def format_gib(value: float) -> str:
     return f"{value / GIB:.1f} GiB"
 
 
+def recommendation_order() -> list[Strategy]:
+    """The order the plan tries strategies in: those dpkit's recipes run, least sharding
+    first (DDP, ZeRO-1, ZeRO-2, FSDP2 shard-grad-op, FSDP2 full-shard), then those it shows
+    for reference (ZeRO-2 offload, ZeRO-3). An FSDP2 mode is thus recommended only where
+    DDP and DeepSpeed's ZeRO-1/2 do not fit, ahead of offload (a CPU step every step) and
+    of a ZeRO-3 config of the user's own."""
+    strategies = list(STRATEGIES.values())
+    return [s for s in strategies if s.runnable] + [s for s in strategies if not s.runnable]
+
+
 def _why(strategy: Strategy, row: StrategyEstimate, inputs: PlanInputs) -> str:
     """What choosing ``strategy`` buys and costs, from what it shards."""
     n = inputs.world_size
+    if strategy.uses_fsdp2 and not strategy.reshard_after_forward:
+        return (
+            f"{strategy.label} shards parameters, gradients and optimizer state {n} ways between "
+            "steps and keeps each layer's parameters whole from its forward to its backward "
+            "(torch fully_shard: an all-gather and a reduce-scatter per step, DDP's volume; no "
+            "DeepSpeed engine): the least sharding dpkit runs that fits."
+        )
+    if strategy.uses_fsdp2:
+        return (
+            f"{strategy.label} also frees each layer's whole parameters after its forward and "
+            "all-gathers them again in backward (1.5x DDP's communication), holding about two "
+            "layers whole at a time: the least sharding dpkit runs that fits."
+        )
     if strategy.offload:
         return (
             "Offload keeps ZeRO-2's sharding and moves optimizer state, master weights and fp32 "
@@ -87,13 +112,14 @@ def _why(strategy: Strategy, row: StrategyEstimate, inputs: PlanInputs) -> str:
         )
     return (
         "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
-        "backward (1.5x DDP's communication). dpkit's recipes stop at ZeRO-2; ZeRO-3 needs a "
-        "DeepSpeed config of your own."
+        "backward (1.5x DDP's communication). dpkit runs DeepSpeed up to ZeRO-2, and FSDP2 "
+        "full-shard does not fit; ZeRO-3 needs a DeepSpeed config of your own."
     )
 
 
 def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: PlanInputs) -> str:
-    """Why ``chosen``: the strategies before it that need too much, then what it does."""
+    """Why ``chosen``: the strategies tried before it that need too much (``rows`` in
+    :func:`recommendation_order`), then what it does."""
     strategy = get_strategy(chosen.strategy)
     if inputs.optimizer == "cpu_adam" and strategy.offload:
         prefix = "--optimizer cpu_adam runs only with optimizer offload. "
@@ -145,7 +171,9 @@ def make_plan(inputs: PlanInputs) -> Plan:
         estimate(inputs, strategy, inputs.micro_batch, activations, settings)
         for strategy in STRATEGIES.values()
     ]
-    fitting = [r for r in rows if r.applicable and r.total <= inputs.usable]
+    by_name = {r.strategy: r for r in rows}
+    tried = [by_name[s.name] for s in recommendation_order()]
+    fitting = [r for r in tried if r.applicable and r.total <= inputs.usable]
     if not fitting:
         raise _nothing_fits(inputs, rows)
     largest = {
@@ -162,5 +190,5 @@ def make_plan(inputs: PlanInputs) -> Plan:
         rows=rows,
         largest_micro_batches=largest,
         recommended=chosen.strategy,
-        reason=_reason(rows, chosen, inputs),
+        reason=_reason(tried, chosen, inputs),
     )

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from dpkit.errors import EXIT_USAGE, UsageError, check_field
-from dpkit.strategy import RUNNABLE
+from dpkit.strategy import RUNNABLE, get_strategy
 
 STRATEGY_CHOICES = ("auto", *(strategy.name for strategy in RUNNABLE))
 PRECISION_CHOICES = ("no", "bf16", "fp16")
@@ -38,8 +38,8 @@ class StrategyConfig:
     strategy: str = field(
         default="auto",
         metadata={
-            "help": "ddp, zero1 or zero2; auto takes it from the launcher (DeepSpeed config) "
-            "or falls back to ddp.",
+            "help": "ddp, zero1, zero2, fsdp2_shard_grad_op or fsdp2_full_shard; auto takes it "
+            "from the launcher (a DeepSpeed or FSDP config) or falls back to ddp.",
             "choices": STRATEGY_CHOICES,
         },
     )
@@ -79,6 +79,21 @@ class StrategyConfig:
     Without it DDP stops at the second step with "Expected to have finished reduction in
     the prior iteration" when a parameter gets no gradient."""
 
+    fsdp_layer_classes: str | None = field(
+        default=None,
+        metadata={
+            "help": "FSDP2: the class names (comma-separated) of the blocks each made one "
+            "sharding unit, e.g. LlamaDecoderLayer. Default: the model's _no_split_modules, "
+            "else its list of repeated blocks."
+        },
+    )
+    """FSDP2's units; None: found in the model (:func:`dpkit.train.fsdp2.layer_classes`)."""
+
+    @property
+    def fsdp_layer_class_names(self) -> tuple[str, ...]:
+        """``fsdp_layer_classes`` as a tuple (empty: not given)."""
+        return tuple(n.strip() for n in (self.fsdp_layer_classes or "").split(",") if n.strip())
+
     def __post_init__(self) -> None:
         check_field(
             0 < self.collective_timeout < float("inf"),
@@ -91,9 +106,18 @@ class StrategyConfig:
             check_choice(self, "mixed_precision", PRECISION_CHOICES)
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
             raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
-        if self.deepspeed is not None and self.strategy == "ddp":
+        named = None if self.strategy == "auto" else get_strategy(self.strategy)
+        if self.deepspeed is not None and named is not None and not named.uses_deepspeed:
             raise UsageError(
-                f"--strategy=ddp conflicts with --deepspeed={self.deepspeed!r}: drop one of them"
+                f"--strategy={self.strategy} conflicts with --deepspeed={self.deepspeed!r}: "
+                "drop one of them"
+            )
+        if self.fsdp_layer_classes is not None:
+            check_field(
+                bool(self.fsdp_layer_class_names),
+                "fsdp_layer_classes",
+                self.fsdp_layer_classes,
+                "name at least one class",
             )
 
 

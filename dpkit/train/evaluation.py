@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from dpkit.resources import metric_dir
+from dpkit.train.fsdp2 import reshard
 
 
 class ClassifierMetrics:
@@ -48,6 +49,7 @@ class ClassifierMetrics:
             predictions += preds.tolist()
             references += labels.tolist()
             losses += batch_losses.tolist()
+        reshard(model)  # FSDP2 shard-grad-op keeps whole parameters after a forward
         model.train()
         result = self.score(predictions, references)
         result["loss"] = sum(losses) / len(losses) if losses else float("nan")

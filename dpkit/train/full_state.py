@@ -3,8 +3,11 @@
 Under ZeRO each rank holds a partition of the fp32 master weights and of the
 optimizer state; these functions gather them per parameter with DeepSpeed's
 tensor-fragment API (the mechanism of its universal checkpoint) and put them back
-re-sharded for another strategy or world size. Under DDP the module's parameters
-and the torch optimizer's state are read directly. Gathering is a collective:
+re-sharded for another strategy or world size. Under FSDP2 parameters and moments
+are DTensors sharded on dim 0: torch distributed checkpoint's state-dict API
+(``get_model_state_dict`` / ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+with full state dicts) gathers them by name and puts them back as each rank's rows.
+Under DDP the module's parameters and the torch optimizer's state are read directly. Gathering is a collective:
 every rank calls; the result exists on the main process.
 
 fp16's dynamic loss scaler (:class:`LossScaler`) is the one piece of state that is
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from dpkit.memory.walk import inner_torch_optimizer, is_zero_optimizer, unwrap_optimizer
+from dpkit.train.fsdp2 import is_sharded, reshard
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 FORMAT_VERSION = 1
@@ -30,24 +34,44 @@ def _zero_optimizer(optimizer) -> Any | None:
     return owner if is_zero_optimizer(owner) else None
 
 
+def _sharded_by_fsdp2(module) -> bool:
+    """Whether FSDP2 shards ``module`` (its parameters DTensors). An evaluation may have
+    left shard-grad-op's parameters whole: they are sharded again first."""
+    reshard(module)
+    return any(is_sharded(p) for p in module.parameters())
+
+
+def _full_on_main() -> Any:
+    """DCP's options for a whole state dict, on CPU, kept by rank 0 only."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
 def full_fp32_state_dict(accelerator, model) -> dict[str, torch.Tensor] | None:
     """The model's state_dict with every parameter at full size in fp32, on CPU, on the
-    main process (None elsewhere). Under ZeRO the fp32 master copies are gathered (a
-    collective: every rank must call this); under DDP the parameters are read."""
+    main process (None elsewhere). Under ZeRO the fp32 master copies are gathered, under
+    FSDP2 the shards (a collective: every rank must call this); under DDP the parameters
+    are read."""
     from deepspeed.utils import safe_get_full_fp32_param
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     module = accelerator.unwrap_model(model)
-    gathered = {}
-    for name, param in module.named_parameters():
-        full = safe_get_full_fp32_param(param)
-        if accelerator.is_main_process:  # a copy: the live parameters keep training
-            gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
+    if _sharded_by_fsdp2(module):
+        state = get_model_state_dict(module, options=_full_on_main())
+    else:
+        gathered = {}
+        for name, param in module.named_parameters():
+            full = safe_get_full_fp32_param(param)
+            if accelerator.is_main_process:  # a copy: the live parameters keep training
+                gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
+        state = {**module.state_dict(), **gathered}  # buffers from the module itself
     if not accelerator.is_main_process:
         return None
-    # Buffers come from the module itself; floating tensors are stored in fp32.
+    # Floating tensors are stored in fp32.
     return {
         name: (value.to("cpu", torch.float32) if value.is_floating_point() else value.cpu())
-        for name, value in {**module.state_dict(), **gathered}.items()
+        for name, value in state.items()
     }
 
 
@@ -77,10 +101,13 @@ def _relink_zero_moments(zero, torch_opt) -> None:
 
 
 def full_optimizer_state(accelerator, model, optimizer) -> dict | None:
-    """Adam moments per parameter name at full size (gathered under ZeRO; collective)."""
+    """Adam moments per parameter name at full size (gathered under ZeRO and FSDP2; a
+    collective)."""
     from deepspeed.utils import safe_get_full_optimizer_state
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     module = accelerator.unwrap_model(model)
+    fsdp2 = _sharded_by_fsdp2(module)
     torch_opt = inner_torch_optimizer(optimizer)
     zero = _zero_optimizer(optimizer)
     moments: dict[str, dict[str, torch.Tensor]] = {}
@@ -93,7 +120,12 @@ def full_optimizer_state(accelerator, model, optimizer) -> dict | None:
         has_state = bool(getattr(zero, "_hp_optimizer_states_linked", False))
     if has_state and zero is not None:
         _relink_zero_moments(zero, torch_opt)
-    if has_state:
+    if has_state and fsdp2:
+        # By parameter name, whole, on the main process (the others get an empty dict).
+        state = get_optimizer_state_dict(module, torch_opt, options=_full_on_main()).get("state")
+        for name, _ in module.named_parameters() if accelerator.is_main_process else ():
+            moments[name] = {k: state[name][k].to("cpu", torch.float32) for k in ADAM_MOMENTS}
+    elif has_state:
         for name, param in module.named_parameters():
             entry = {}
             for key in ADAM_MOMENTS:
@@ -120,6 +152,7 @@ def load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
     from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
 
     module = accelerator.unwrap_model(model)
+    fsdp2 = _sharded_by_fsdp2(module)
     torch_opt = inner_torch_optimizer(optimizer)
     zero = _zero_optimizer(optimizer)
     for group, lr in zip(torch_opt.param_groups, saved["param_group_lrs"], strict=True):
@@ -132,6 +165,9 @@ def load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
     if missing:
         raise RuntimeError(f"checkpoint has no optimizer state for {missing[:3]}")
     step = torch.tensor(float(saved["step"]))
+    if fsdp2:
+        _load_fsdp2_optimizer_state(module, torch_opt, moments, step)
+        return
     if zero is None:
         for name, param in named.items():
             torch_opt.state[param] = {
@@ -159,6 +195,30 @@ def load_optimizer_state(accelerator, model, optimizer, saved: dict) -> None:
         torch_opt.state[hp_partition]["step"] = step.clone()
         map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
     zero._hp_optimizer_states_linked = True
+
+
+def _load_fsdp2_optimizer_state(module, torch_opt, moments: dict, step: torch.Tensor) -> None:
+    """Whole moments by name (the same on every rank) into FSDP2's sharded state: DCP
+    keeps each rank's rows of each; the parameter groups (their lrs already restored) are
+    the optimizer's own, named."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"},
+         "params": [name_of[id(p)] for p in group["params"]]}
+        for group in torch_opt.param_groups
+    ]  # fmt: skip
+    state = {
+        name: {"step": step.clone(), **{k: moments[name][k] for k in ADAM_MOMENTS}}
+        for name in name_of.values()
+    }
+    set_optimizer_state_dict(
+        module,
+        torch_opt,
+        {"state": state, "param_groups": groups},
+        options=StateDictOptions(full_state_dict=True),
+    )
 
 
 def load_fp32_masters(accelerator, model, weights: dict[str, torch.Tensor]) -> None:

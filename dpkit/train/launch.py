@@ -7,7 +7,10 @@ any process group exists, so every conflict is a one-line
 
 * ``accelerate launch --cpu --num_processes N`` starts one process: refused with
   the launch form to use instead.
-* ``accelerate launch --use_fsdp``: dpkit runs DDP and ZeRO, refused.
+* ``accelerate launch --use_fsdp`` (``fsdp_version: 2``) is FSDP2, which dpkit applies
+  itself (accelerate's own path runs unconnected copies on CPU); FSDP1 and the FSDP
+  settings dpkit does not apply (offload, activation checkpointing, a size-based
+  wrap policy, ignored modules) are refused.
 * A strategy flag that contradicts the launcher (``--strategy ddp`` under a ZeRO
   config, ``--strategy zero1`` with ``--deepspeed zero2.json``, a ZeRO flag or a
   ``--deepspeed`` file under an accelerate config without DeepSpeed) is refused rather
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 
 from dpkit import resources
 from dpkit.errors import UsageError
-from dpkit.strategy import DDP, Strategy, deepspeed_strategy, get_strategy
+from dpkit.strategy import DDP, Strategy, deepspeed_strategy, fsdp2_strategy, get_strategy
 from dpkit.train.deepspeed_config import read_ds_config, zero_stage_of
 
 PRECISIONS = ("no", "bf16", "fp16")
@@ -58,12 +61,60 @@ class StrategyChoice:
     """Processes the launcher started (``WORLD_SIZE``), checked once the group is up."""
 
 
+# FSDP settings of an accelerate YAML that dpkit does not apply, with the value that
+# means "off"; anything else is refused rather than dropped.
+_FSDP_SETTINGS_OFF = {
+    "FSDP_OFFLOAD_PARAMS": ("fsdp_offload_params", "false"),
+    "FSDP_ACTIVATION_CHECKPOINTING": ("fsdp_activation_checkpointing", "false"),
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("fsdp_cpu_ram_efficient_loading", "false"),
+}
+
+
+def _fsdp_launch(env: Mapping[str, str]) -> Strategy | None:
+    """The FSDP2 strategy an accelerate FSDP launch asks for (None: not one)."""
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return None
+    version = env.get("FSDP_VERSION", "1")
+    if version != "2":
+        raise UsageError(
+            f"accelerate config fsdp_version={version}: dpkit runs FSDP2; set fsdp_version: 2 "
+            "(ds_configs/accelerate/fsdp2_full_shard.yaml)"
+        )
+    for variable, (name, off) in _FSDP_SETTINGS_OFF.items():
+        value = env.get(variable, off).lower()
+        if value != off:
+            raise UsageError(f"accelerate config {name}={value}: dpkit's FSDP2 does not apply it")
+    policy = env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
+    if policy.upper() != "TRANSFORMER_BASED_WRAP":
+        raise UsageError(
+            f"accelerate config fsdp_auto_wrap_policy={policy}: dpkit wraps transformer "
+            "layers (TRANSFORMER_BASED_WRAP; --fsdp-layer-classes names them)"
+        )
+    if env.get("FSDP_IGNORED_MODULES"):
+        raise UsageError(
+            f"accelerate config fsdp_ignored_modules={env['FSDP_IGNORED_MODULES']}: "
+            "dpkit's FSDP2 shards every module"
+        )
+    reshard = env.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower()
+    by_value = {"true": True, "full_shard": True, "false": False, "shard_grad_op": False}
+    if reshard not in by_value:
+        raise UsageError(
+            f"accelerate config fsdp_reshard_after_forward={reshard}: one of true, false"
+        )
+    return fsdp2_strategy(by_value[reshard])
+
+
+def fsdp_layer_classes_from_launcher(env: Mapping[str, str]) -> tuple[str, ...]:
+    """``fsdp_transformer_layer_cls_to_wrap`` of an accelerate FSDP launch (comma-separated)."""
+    if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
+        return ()
+    value = env.get("FSDP_TRANSFORMER_CLS_TO_WRAP", "")
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
 def check_launcher(env: Mapping[str, str]) -> None:
     """Refuse launch forms that would silently run something else than asked."""
-    if env.get("ACCELERATE_USE_FSDP", "false").lower() == "true":
-        raise UsageError(
-            "accelerate launch --use_fsdp: dpkit runs DDP, ZeRO-1 and ZeRO-2, not FSDP"
-        )
+    _fsdp_launch(env)
     # accelerate's simple launcher sets MASTER_PORT when more than one process was
     # asked for, but starts only one and sets no RANK.
     simple_launcher = "ACCELERATE_USE_CPU" in env and "RANK" not in env
@@ -86,6 +137,18 @@ def resolve_strategy(
     """
     check_launcher(env)
     world_size = int(env.get("WORLD_SIZE", "1"))
+    fsdp_launched = _fsdp_launch(env)
+    if fsdp_launched is not None:
+        source = f"accelerate launch (FSDP2, {fsdp_launched.name})"
+        if deepspeed_flag is not None:
+            raise UsageError(
+                f"--deepspeed={deepspeed_flag!r} conflicts with {source}: drop one of them"
+            )
+        if strategy_flag not in ("auto", fsdp_launched.name):
+            raise UsageError(
+                f"--strategy={strategy_flag} conflicts with {source}: drop one of them"
+            )
+        return StrategyChoice(fsdp_launched, source, None, None, world_size)
 
     launcher_path: str | None = None
     launcher_source = ""
@@ -122,6 +185,11 @@ def resolve_strategy(
         template = read_ds_config(launcher_path)
         launched = deepspeed_strategy(zero_stage_of(template, launcher_path))
         if strategy_flag not in ("auto", launched.name):
+            if get_strategy(strategy_flag).uses_fsdp2 and deepspeed_flag is not None:
+                raise UsageError(
+                    f"--strategy={strategy_flag} conflicts with --deepspeed={deepspeed_flag!r}: "
+                    "FSDP2 takes no DeepSpeed config; drop one of them"
+                )
             raise UsageError(
                 f"--strategy={strategy_flag} conflicts with {launcher_source} "
                 f"({launched.name}): drop one of them"
@@ -132,12 +200,16 @@ def resolve_strategy(
         source = "--strategy ddp" if strategy_flag == DDP.name else "default (no DeepSpeed config)"
         return StrategyChoice(DDP, source, None, None, world_size)
 
+    strategy = get_strategy(strategy_flag)
+    if strategy.uses_fsdp2:
+        # dpkit applies fully_shard itself: every launcher that starts N plain processes
+        # (torchrun, accelerate launch without DeepSpeed, deepspeed) runs it.
+        return StrategyChoice(strategy, f"--strategy {strategy.name}", None, None, world_size)
     if accelerate_without_ds:
         raise UsageError(
             f"--strategy={strategy_flag} conflicts with accelerate launch without DeepSpeed: "
             f"use --config_file ds_configs/accelerate/{strategy_flag}.yaml"
         )
-    strategy = get_strategy(strategy_flag)
     path = str(resources.deepspeed_config(strategy.name))
     return StrategyChoice(
         strategy, f"--strategy {strategy.name}", path, read_ds_config(path), world_size

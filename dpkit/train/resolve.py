@@ -23,6 +23,7 @@ from dpkit.train.config import StrategyConfig
 from dpkit.train.deepspeed_config import fill_deepspeed_config, optimizer_offload
 from dpkit.train.launch import (
     check_accelerate_settings,
+    fsdp_layer_classes_from_launcher,
     resolve_precision,
     resolve_strategy,
 )
@@ -39,7 +40,7 @@ class Resolution:
     """What will run, resolved once from the flags, the launcher and the model."""
 
     strategy: Strategy
-    """DDP, ZeRO-1 or ZeRO-2."""
+    """DDP, ZeRO-1, ZeRO-2 or one of FSDP2's two modes."""
     source: str
     """Where the strategy came from (a flag, a launcher, a config file), for the log."""
     precision: str
@@ -68,6 +69,12 @@ class Resolution:
     """Where ZeRO keeps optimizer state and master weights off the device (``cpu``), or None."""
     notes: tuple[str, ...] = ()
     """What the run does otherwise than a flag reads (logged once by :func:`start`)."""
+    fsdp_layer_classes: tuple[str, ...] = ()
+    """FSDP2: the class names made sharding units before the root (empty otherwise, or
+    when only the model's config was given: found when the model is sharded)."""
+    fsdp_layer_override: tuple[str, ...] = ()
+    """FSDP2: the classes the user named (``--fsdp-layer-classes`` or the accelerate
+    YAML's ``fsdp_transformer_layer_cls_to_wrap``)."""
 
     @property
     def global_batch_size(self) -> int:
@@ -122,6 +129,23 @@ def resolve(
     on_cuda = _cuda_available()
     choice = resolve_strategy(args.strategy, args.deepspeed, env)
     precision = resolve_precision(args.mixed_precision, env, on_cuda=on_cuda)
+    strategy = choice.strategy
+    if strategy.uses_fsdp2 and precision == "fp16":
+        raise UsageError(
+            f"mixed_precision=fp16 with --strategy={strategy.name}: dpkit's FSDP2 runs bf16 "
+            "(fp16 would need a sharded gradient scaler); use bf16"
+        )
+    layer_override = args.fsdp_layer_class_names or fsdp_layer_classes_from_launcher(env)
+    if layer_override and not strategy.uses_fsdp2:
+        source = "--fsdp-layer-classes" if args.fsdp_layer_class_names else "accelerate config"
+        raise UsageError(
+            f"{source}={','.join(layer_override)}: FSDP2's; {strategy.name} shards no layers"
+        )
+    fsdp_layers: tuple[str, ...] = ()
+    if strategy.uses_fsdp2 and _is_module(model):
+        from dpkit.train.fsdp2 import layer_classes
+
+        fsdp_layers = layer_classes(model, layer_override, asked_by=fsdp_asked_by(choice.source))
     check_accelerate_settings(
         env, gradient_accumulation_steps=gradient_accumulation_steps, max_grad_norm=max_grad_norm
     )
@@ -153,10 +177,16 @@ def resolve(
             weight_decay=weight_decay,
         )
     notes = []
-    if args.ddp_find_unused_parameters and ds_config is not None:
+    if args.ddp_find_unused_parameters and strategy.engine != "ddp":
         notes.append(
-            f"--ddp-find-unused-parameters: DDP's; {choice.strategy.name} needs none "
-            "(DeepSpeed handles parameters the loss does not use itself)"
+            f"--ddp-find-unused-parameters: DDP's; {strategy.name} needs none "
+            "(parameters the loss does not use simply get no gradient)"
+        )
+    state_dict_type = env.get("FSDP_STATE_DICT_TYPE")
+    if strategy.uses_fsdp2 and state_dict_type:
+        notes.append(
+            f"accelerate config fsdp_state_dict_type={state_dict_type}: dpkit's checkpoints are "
+            "its own portable layout (full fp32 weights and Adam moments) whatever the type"
         )
     return Resolution(
         strategy=choice.strategy,
@@ -168,7 +198,7 @@ def resolve(
         ds_config=ds_config,
         ds_config_path=choice.ds_config_path,
         ddp_kwargs={}
-        if ds_config is not None
+        if strategy.engine != "ddp"
         else {**ddp_kwargs(), "find_unused_parameters": args.ddp_find_unused_parameters},
         on_cuda=on_cuda,
         collective_timeout_s=args.collective_timeout,
@@ -176,7 +206,22 @@ def resolve(
         learning_rate=learning_rate,
         offload_optimizer=offload,
         notes=tuple(notes),
+        fsdp_layer_classes=fsdp_layers,
+        fsdp_layer_override=layer_override,
     )
+
+
+def fsdp_asked_by(source: str) -> str:
+    """How a message names what asked for FSDP2: the flag as typed, or the launcher."""
+    if source.startswith("--strategy "):
+        return "--strategy=" + source.removeprefix("--strategy ")
+    return source
+
+
+def _is_module(model: Any) -> bool:
+    import torch
+
+    return isinstance(model, torch.nn.Module)
 
 
 def scaled_learning_rate(base_lr: float, rule: str, world_size: int, accumulation: int) -> float:

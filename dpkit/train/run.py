@@ -4,7 +4,8 @@ Three steps, each usable alone::
 
     resolution = resolve(args, model=model, micro_batch_size=16)  # pure: no process group
     run = start(resolution)                                        # the Accelerator
-    ...accelerator.prepare(...)...
+    model = run.shard_model(model)                                 # FSDP2; else unchanged
+    ...optimizer over model.parameters()..., accelerator.prepare(...)...
     info = run.check(model, optimizer)                             # what really runs, or an error
 
 :func:`setup` is the first two in one call.
@@ -15,8 +16,11 @@ What :func:`start` works around (measured, see ``../shared/STACK-NOTES.md``):
   alone unless the Accelerator is built with ``cpu=True``;
 * ``accelerate launch --use_deepspeed`` without CUDA counts one process and
   DeepSpeed's batch assertion fails unless the process-group backend is named (gloo);
-* ``python recipe.py --strategy zero2`` has no process group for DeepSpeed: a
-  one-process rendezvous on localhost is set up.
+* ``python recipe.py --strategy zero2`` (or an FSDP2 strategy) has no process group: a
+  one-process rendezvous on localhost is set up;
+* accelerate's FSDP2 path needs an accelerator device (on CPU an FSDP YAML runs
+  unconnected copies): dpkit applies ``fully_shard`` itself (:meth:`Run.shard_model`)
+  and accelerate prepares the sharded model without a wrapper.
 
 :meth:`Run.check`, after ``accelerator.prepare``, turns a silent mis-launch (processes
 that would train unconnected copies, a model not wrapped as asked) into an error and
@@ -111,6 +115,33 @@ class Run:
         plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
         return None if plugin is None else plugin.deepspeed_config
 
+    def shard_model(self, model: Any) -> Any:
+        """FSDP2: shard ``model`` (each layer a unit, then the root; see
+        :mod:`dpkit.train.fsdp2`) and hand it to accelerate, which then prepares it
+        without a wrapper; other strategies: ``model`` unchanged (``accelerator.prepare``
+        wraps it). Call it before building the optimizer: FSDP2 replaces the parameters
+        by their shards, and an optimizer built earlier would hold the old ones.
+        """
+        if not self.strategy.uses_fsdp2:
+            return model
+        from dpkit.train.fsdp2 import layer_classes, shard_model
+        from dpkit.train.resolve import fsdp_asked_by
+
+        resolution = self.resolution
+        classes = resolution.fsdp_layer_classes or layer_classes(
+            model, resolution.fsdp_layer_override, asked_by=fsdp_asked_by(resolution.source)
+        )
+        model = shard_model(
+            model,
+            layer_class_names=classes,
+            reshard_after_forward=self.strategy.reshard_after_forward,
+            precision=resolution.precision,
+            device_type=self.accelerator.device.type,
+        )
+        # evaluation_mode: accelerate applies what it applies to every model (autocast
+        # under mixed precision) and no DDP wrapper; the later prepare() passes it through.
+        return self.accelerator.prepare_model(model, evaluation_mode=True)
+
     def make_optimizer(self, params: Any, lr: float, weight_decay: float) -> Any:
         """torch AdamW under every strategy, fused where torch has the kernel
         (:func:`dpkit.models.adamw`), so losses compare across strategies; a DeepSpeed
@@ -166,6 +197,9 @@ class Run:
                 raise RuntimeError(
                     f"asked for ZeRO-{asked.strategy.zero_stage}, DeepSpeed runs stage {zero_stage}"
                 )
+        elif asked.strategy.uses_fsdp2:
+            zero_stage = asked.strategy.zero_stage
+            wrapper = _check_fsdp2(model, optimizer)
         elif acc.num_processes > 1 and wrapper != "DistributedDataParallel":
             raise RuntimeError(
                 f"{acc.num_processes} processes but the model is not wrapped in DDP ({wrapper})"
@@ -211,6 +245,29 @@ class Run:
             offload_optimizer=self.resolution.offload_optimizer,
             **kwargs,
         )
+
+
+def _check_fsdp2(model: Any, optimizer: Any) -> str:
+    """The FSDP2 wrapper's description, or an error: the model must be sharded, and the
+    optimizer must hold the shards (built after :meth:`Run.shard_model`)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from dpkit.memory.walk import inner_torch_optimizer
+    from dpkit.train.fsdp2 import is_sharded, unit_count
+
+    if not isinstance(model, FSDPModule):
+        raise RuntimeError(
+            f"FSDP2 was asked for but the model is not sharded ({type(model).__name__}): "
+            "call run.shard_model(model) before building the optimizer"
+        )
+    torch_opt = inner_torch_optimizer(optimizer)
+    params = [p for group in torch_opt.param_groups for p in group["params"]]
+    if not all(is_sharded(p) for p in params):
+        raise RuntimeError(
+            "the optimizer holds the model's unsharded parameters: build it after "
+            "run.shard_model(model)"
+        )
+    return f"FSDP2 fully_shard ({unit_count(model)} units)+{type(torch_opt).__name__}"
 
 
 class _ErrorsOnly(logging.Filter):
@@ -331,8 +388,10 @@ def start(
     )
 
     uses_deepspeed = resolution.strategy.uses_deepspeed
+    # DeepSpeed and fully_shard need a process group even for one process.
+    needs_group = uses_deepspeed or resolution.strategy.uses_fsdp2
     handlers: list = []
-    if resolution.world_size > 1 or uses_deepspeed:
+    if resolution.world_size > 1 or needs_group:
         # Naming the backend is what makes `accelerate launch --use_deepspeed` form a
         # real N-process group on CPU; a single plain process must not get one.
         handlers.append(
@@ -342,24 +401,28 @@ def start(
             )
         )
     plugin = None
+    if needs_group and "RANK" not in os.environ:
+        # The rendezvous reads these even for one process (plain `python recipe.py
+        # --strategy zero2`); this process is then the whole job.
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            LOCAL_WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(_free_port()),
+        )
+    if resolution.strategy.uses_fsdp2:
+        # resolve() read the FSDP launch; accelerate would otherwise take its own FSDP
+        # path on GPUs (and dpkit's sharded model would be sharded twice).
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
     if uses_deepspeed:
-        if "RANK" not in os.environ:
-            # DeepSpeed's rendezvous reads these even for one process (plain `python
-            # recipe.py --strategy zero2`); this process is then the whole job.
-            os.environ.update(
-                RANK="0",
-                LOCAL_RANK="0",
-                WORLD_SIZE="1",
-                LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(_free_port()),
-            )
         skip_deepspeed_cpu_shm_op()
         # accelerate refuses a config dict when its YAML listed DeepSpeed fields beside a
         # config file (ACCELERATE_CONFIG_DS_FIELDS); resolve() honoured or refused each.
         with _without_env("ACCELERATE_CONFIG_DS_FIELDS"):
             plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(dict(resolution.ds_config)))
-    else:
+    elif resolution.ddp_kwargs:
         handlers.append(DistributedDataParallelKwargs(**resolution.ddp_kwargs))
     dataloader_config = None
     if data_seed is not None:

@@ -18,7 +18,7 @@ import shlex
 import sys
 
 from dpkit.errors import UsageError
-from dpkit.strategy import RUNNABLE
+from dpkit.strategy import DDP_AND_ZERO
 from dpkit.tune.config import DEFAULT_RECIPE, TuneConfig
 
 
@@ -47,7 +47,7 @@ def _seconds(text: str, flag: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``dpkit tune``."""
-    names = ",".join(s.name for s in RUNNABLE)
+    names = ",".join(s.name for s in DDP_AND_ZERO)
     parser.add_argument(
         "--recipe",
         default=DEFAULT_RECIPE,

@@ -19,7 +19,7 @@ from typing import Any
 from dpkit import resources
 from dpkit.errors import UsageError
 from dpkit.memory.settings import ZERO_BUCKET_ALIGNMENT
-from dpkit.strategy import RUNNABLE, get_strategy
+from dpkit.strategy import DDP_AND_ZERO, STRATEGIES, get_strategy
 
 DEFAULT_RECIPE = "train_lm.py"
 DEFAULT_CPU_PROCS = 2
@@ -54,8 +54,8 @@ class TuneConfig:
     """Arguments every trial passes to the recipe (the model, data, precision...)."""
     nproc: int | None = None
     """Processes per trial (default: every GPU, or 2 on CPU)."""
-    strategies: tuple[str, ...] = tuple(s.name for s in RUNNABLE)
-    """The strategies tried."""
+    strategies: tuple[str, ...] = tuple(s.name for s in DDP_AND_ZERO)
+    """The strategies tried: DDP, ZeRO-1, ZeRO-2 (no FSDP2 trials yet)."""
     micro_batch_size: int | None = None
     """The current configuration's micro-batch (default: the recipe's own default)."""
     gradient_accumulation_steps: int = 1
@@ -99,7 +99,18 @@ class TuneConfig:
     def __post_init__(self) -> None:
         self.recipe_args = tuple(self.recipe_args)
         self.strategies = tuple(self.strategies)
-        runnable = [s.name for s in RUNNABLE]
+        runnable = [s.name for s in DDP_AND_ZERO]
+        # The recipes run FSDP2, but a trial's variants and checks are DDP's and ZeRO's.
+        for name, given in (
+            ("strategies", ",".join(self.strategies)),
+            ("baseline_strategy", self.baseline_strategy),
+        ):
+            fsdp2 = [n for n in given.split(",") if n in STRATEGIES and STRATEGIES[n].uses_fsdp2]
+            if fsdp2:
+                raise UsageError(
+                    f"{name}={given!r}: dpkit tune does not run FSDP2 yet ({fsdp2[0]}); "
+                    f"one of {','.join(runnable)}"
+                )
         if not self.strategies or set(self.strategies) - set(runnable):
             raise UsageError(
                 f"strategies={','.join(self.strategies)!r}: a list of {', '.join(runnable)}"
