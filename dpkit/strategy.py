@@ -117,8 +117,8 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
 RUNNABLE: tuple[Strategy, ...] = tuple(s for s in STRATEGIES.values() if s.runnable)
 """The strategies the recipes run."""
 DDP_AND_ZERO: tuple[Strategy, ...] = (DDP, ZERO1, ZERO2)
-"""The strategies ``dpkit tune`` tries and the Transformers ``Trainer`` baseline of
-``dpkit bench --workload classification`` runs (neither has an FSDP2 path yet)."""
+"""The strategies the Transformers ``Trainer`` baseline of ``dpkit bench --workload
+classification`` runs (the Trainer's FSDP path needs accelerator devices)."""
 
 
 def get_strategy(name: str | Strategy) -> Strategy:

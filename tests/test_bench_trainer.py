@@ -228,13 +228,20 @@ def test_every_step_says_where_its_time_went(classification_bench):
 
 def test_the_trainer_fills_its_buckets_its_own_way(classification_bench):
     """As a Trainer user gets it: "auto" becomes hidden_size^2; dpkit's floor is 2^21."""
-    _, results = classification_bench
+    out, results = classification_bench
     trainer = results["runs"]["trainer_zero2"]["run_info"]["zero_optimization"]
     assert trainer["reduce_bucket_size"] == MINILM_HIDDEN**2
     dpkit_zero = results["runs"]["zero2"]["ds_config"]["zero_optimization"]
     assert dpkit_zero["reduce_bucket_size"] == MIN_BUCKET_ELEMENTS
     # The Trainer's DDP searches for unused parameters every step (no gradient checkpointing).
     assert results["runs"]["trainer_ddp"]["run_info"]["ddp_find_unused_parameters"] is True
+    # ... and re-broadcasts MiniLM's constant buffers before every forward; dpkit does not.
+    assert results["runs"]["trainer_ddp"]["run_info"]["ddp_forward_sync_buffers"] is True
+    assert results["runs"]["ddp"]["run_info"]["ddp_forward_sync_buffers"] is False
+    (md,) = [
+        line for line in (out / "results.md").read_text().splitlines() if "DDP, dpkit/" in line
+    ]
+    assert "forward_sync_buffers=True (dpkit's: False)" in md
 
 
 def test_ratios_come_from_the_runs_own_step_logs(classification_bench):

@@ -217,3 +217,28 @@ def test_find_unused_parameters_reaches_ddp_and_is_a_note_under_zero():
     assert zero.ddp_kwargs == {}
     (note,) = zero.notes  # said once at start, recorded in run_info.json
     assert note.startswith("--ddp-find-unused-parameters: DDP's; zero2 needs none")
+
+
+def test_ddp_skips_the_per_forward_buffer_broadcast_only_when_every_buffer_is_a_constant():
+    """transformers' buffers (position ids, rotary frequencies) are non-persistent
+    constants: no broadcast before each forward. BatchNorm's running statistics are
+    persistent state that ranks must agree on: DDP's default stays. A config or sizes
+    cannot be inspected: DDP's default stays."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def resolved(model):
+        return resolve(
+            StrategyConfig(strategy="ddp"), model=model, micro_batch_size=4, env=_TORCHRUN_2
+        ).ddp_forward_sync_buffers
+
+    llama_config = LlamaConfig(
+        num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+        num_key_value_heads=2, vocab_size=64,
+    )  # fmt: skip
+    llama = LlamaForCausalLM(llama_config)
+    assert any(True for _ in llama.buffers())  # rotary inv_freq: there are buffers
+    assert resolved(llama) is False
+    with_norm = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
+    assert resolved(with_norm) is True
+    assert resolved(llama_config) is True and resolved(_SIZES) is True

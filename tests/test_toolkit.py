@@ -188,6 +188,8 @@ def test_readme_example_runs_against_the_wheel(own_script, name):
         "fsdp2_full_shard": "FSDP2 fully_shard (8 units)+AdamW",
     }[name]
     assert f"wrapper={wrapper}" in strategy_lines[0]
+    synced_at_init_only = "buffers synced at init only" in strategy_lines[0]
+    assert synced_at_init_only == (name == "ddp")
     report = json.loads((out / "out" / "memory_report.json").read_text())
     assert report["strategy"] == name and len(report["ranks"]) == 2
     assert report["grads_measured"] is True

@@ -315,6 +315,12 @@ def _trainer_lines(results: dict[str, Any]) -> list[str]:
         chose = []
         if "ddp_find_unused_parameters" in info:
             chose.append(f"DDP find_unused_parameters={info['ddp_find_unused_parameters']}")
+        if "ddp_forward_sync_buffers" in info:
+            dpkit_sync = runs.get(strategy.name, {}).get("run_info", {})
+            chose.append(
+                f"forward_sync_buffers={info['ddp_forward_sync_buffers']} (dpkit's: "
+                f"{dpkit_sync.get('ddp_forward_sync_buffers')})"
+            )
         zero = info.get("zero_optimization")
         if zero:
             chose.append(f"reduce_bucket_size={zero.get('reduce_bucket_size')}")

@@ -138,9 +138,11 @@ def _step_clock(strategy: str, output_dir: Path, counter: _TokenCounter) -> Any:
                 "optimizer": type(self.trainer.optimizer).__name__,
             }
             # What the Trainer chose where dpkit chooses otherwise: DDP's unused-parameter
-            # search (on unless gradient checkpointing), ZeRO's filled buckets.
+            # search (on unless gradient checkpointing) and per-forward buffer broadcast,
+            # ZeRO's filled buckets.
             if hasattr(wrapped, "find_unused_parameters"):
                 self.info["ddp_find_unused_parameters"] = wrapped.find_unused_parameters
+                self.info["ddp_forward_sync_buffers"] = wrapped.forward_sync_buffers
             plugin = getattr(self.trainer.accelerator.state, "deepspeed_plugin", None)
             if plugin is not None:
                 self.info["zero_optimization"] = plugin.deepspeed_config["zero_optimization"]

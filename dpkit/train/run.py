@@ -67,6 +67,8 @@ class RunInfo:
     learning_rate: float | None
     num_params: int
     offload_optimizer: str | None = None
+    ddp_forward_sync_buffers: bool | None = None
+    """DDP: whether buffers are re-broadcast before each forward (None: not DDP)."""
     notes: str = ""
     """What the run does otherwise than a flag reads (:attr:`Resolution.notes`, joined by
     "; "): a string, as trackers take only scalars and strings for a run's config."""
@@ -76,6 +78,8 @@ class RunInfo:
         lr = "" if self.learning_rate is None else f" | lr={self.learning_rate:g}"
         if self.offload_optimizer:
             lr += f" | offload_optimizer={self.offload_optimizer}"
+        if self.ddp_forward_sync_buffers is False:
+            lr += " | buffers synced at init only (all constants)"
         return (
             f"strategy={self.strategy} ({self.strategy_source}) | world_size={self.world_size} | "
             f"distributed_type={self.distributed_type} | wrapper={self.wrapper} | "
@@ -171,6 +175,8 @@ class Run:
     def check(self, model: Any, optimizer: Any, output: Any = None, **extra: Any) -> RunInfo:
         """After ``accelerator.prepare``: check that what runs is what was asked for (a
         mismatch is an error, not a warning) and log it, once, from the main process.
+        Under DDP, also set what DDP takes only once built: its per-forward buffer
+        sync (:attr:`Resolution.ddp_forward_sync_buffers`).
 
         With ``output`` (a :class:`~dpkit.train.run_output.RunOutput`), also write
         ``run_info.json`` (with ``extra`` fields: the schedule, say) and, under DeepSpeed,
@@ -204,6 +210,13 @@ class Run:
             raise RuntimeError(
                 f"{acc.num_processes} processes but the model is not wrapped in DDP ({wrapper})"
             )
+        forward_sync_buffers = None
+        if wrapper == "DistributedDataParallel":
+            # A DDP attribute, not a constructor argument: accelerate's
+            # DistributedDataParallelKwargs only has the deprecated broadcast_buffers
+            # (a FutureWarning on every rank, and it also skips the init-time sync).
+            model.forward_sync_buffers = asked.ddp_forward_sync_buffers
+            forward_sync_buffers = bool(model.forward_sync_buffers)
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
         info = RunInfo(
             strategy=asked.strategy.name,
@@ -221,6 +234,7 @@ class Run:
             learning_rate=asked.learning_rate,
             num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
             offload_optimizer=asked.offload_optimizer,
+            ddp_forward_sync_buffers=forward_sync_buffers,
             notes="; ".join(asked.notes),
         )
         if acc.is_main_process:
