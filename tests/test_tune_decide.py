@@ -45,14 +45,39 @@ def _trial(strategy: str, micro: int, step: float, memory: float = 100.0, losses
     return Trial(space.Candidate(strategy, micro, 4 // micro), status=OK, figures=figures)
 
 
+# dpkit plan's least-sharding-first order, written out: the order of the first round and
+# of ties (ZeRO-2 keeps whole parameters between steps, FSDP2 shard-grad-op 1/N of them).
+LEAST_SHARDING_FIRST = ["ddp", "zero1", "zero2", "fsdp2_shard_grad_op", "fsdp2_full_shard"]
+
+
 def test_first_round_starts_with_the_current_configuration_then_ddp():
     names = [c.name for c in space.first_round(_settings(baseline_strategy="zero1"))]
     assert names[0] == "zero1-mb4x1"
     assert names[1:4] == ["ddp-mb4x1", "ddp-mb2x2", "ddp-mb1x4"]  # DDP: the loss reference
-    assert len(names) == len(set(names)) == 9
+    # Then least sharding first, FSDP2's two modes after ZeRO-2: all five by default.
+    assert [n.rsplit("-mb", 1)[0] for n in names[4:]] == [
+        *["zero1"] * 2, *["zero2"] * 3, *["fsdp2_shard_grad_op"] * 3, *["fsdp2_full_shard"] * 3
+    ]  # fmt: skip
+    assert len(names) == len(set(names)) == 15
     # Every candidate trains the same 4 samples per rank per optimizer step.
     for candidate in space.first_round(_settings()):
         assert candidate.micro_batch_size * candidate.gradient_accumulation_steps == 4
+
+
+def test_fsdp2_can_be_the_current_configuration():
+    settings = _settings(
+        strategies=("fsdp2_full_shard", "ddp", "fsdp2_shard_grad_op"),
+        baseline_strategy="fsdp2_shard_grad_op",
+    )
+    names = [c.name for c in space.first_round(settings)]
+    assert names == [
+        "fsdp2_shard_grad_op-mb4x1",
+        "ddp-mb4x1", "ddp-mb2x2", "ddp-mb1x4",
+        "fsdp2_shard_grad_op-mb2x2", "fsdp2_shard_grad_op-mb1x4",
+        "fsdp2_full_shard-mb4x1", "fsdp2_full_shard-mb2x2", "fsdp2_full_shard-mb1x4",
+    ]  # fmt: skip
+    ranks = [space.Candidate(name, 1, 4).sharding_rank for name in LEAST_SHARDING_FIRST]
+    assert ranks == sorted(ranks) and len(set(ranks)) == 5
 
 
 def test_second_round_varies_buckets_and_flags_around_what_ran():
@@ -72,6 +97,28 @@ def test_second_round_varies_buckets_and_flags_around_what_ran():
     assert [v.name for v in chosen][:1] == ["zero2-mb2x2-bucket4M"]  # 2**21 ran already
 
 
+def test_fsdp2_gets_no_second_round():
+    """FSDP2 has no bucket or contiguous_gradients settings: only the DeepSpeed strategies'
+    best candidates are varied, and a ZeRO key on an FSDP2 candidate is refused."""
+    from dpkit.tune.run import _Stop, _Tuner
+
+    tuner = _Tuner(_settings(), {}, _Stop())
+    tuner.trials = [_trial(name, 4, 1.0) for name in LEAST_SHARDING_FIRST]
+    for trial in tuner.trials:  # what a ZeRO trial's ds_config.json says, None for the rest
+        zero = trial.candidate.strategy.startswith("zero")
+        trial.figures["zero_optimization"] = {"reduce_bucket_size": 2**21} if zero else None
+    variants = tuner.second_round()
+    assert {v.strategy for v in variants} == {"zero1", "zero2"}, [v.name for v in variants]
+    assert len(variants) == 6 and all(v.round == 2 for v in variants)
+    # FSDP2 alone: nothing to vary.
+    tuner.settings = _settings(strategies=("ddp", "fsdp2_shard_grad_op", "fsdp2_full_shard"))
+    assert tuner.second_round() == []
+    with pytest.raises(ValueError, match="only DeepSpeed's ZeRO candidates"):
+        space.second_round(space.Candidate("fsdp2_shard_grad_op", 2, 2), {}, _settings())
+    with pytest.raises(ValueError, match="fsdp2_full_shard: zero_optimization keys"):
+        space.Candidate("fsdp2_full_shard", 2, 2, (("reduce_bucket_size", 2**21),))
+
+
 def test_the_fastest_eligible_wins_and_a_tie_goes_to_less_sharding():
     trials = [
         _trial("ddp", 4, 1.00, memory=300),
@@ -88,6 +135,39 @@ def test_the_fastest_eligible_wins_and_a_tie_goes_to_less_sharding():
     assert decision.speedup is None
     # No tie: the fastest.
     assert decide(trials, "ddp-mb4x1", None, "no", 0.0).winner.name == "zero2-mb4x1"
+
+
+def test_a_tie_between_zero2_and_fsdp2_goes_to_zero2_whatever_the_order():
+    """ZeRO-2 and FSDP2 shard-grad-op shard the same states in ZeRO's terms (stage 2);
+    ZeRO-2 wins their tie (it keeps whole parameters between steps: less sharding),
+    whichever is faster within the tolerance and whatever order the trials ran in."""
+    trials = [
+        _trial("fsdp2_full_shard", 4, 0.985),
+        _trial("fsdp2_shard_grad_op", 4, 0.99),
+        _trial("zero2", 4, 0.995),
+    ]
+    for order in (trials, trials[::-1], trials[1:] + trials[:1]):
+        decision = decide(order, "ddp-mb4x1", None, "no", tie_tolerance=0.02)
+        assert decision.winner.name == "zero2-mb4x1"
+        assert decision.reason.startswith("within 2% of the fastest (fsdp2_full_shard-mb4x1")
+    # Equal step times: still ZeRO-2, in either order.
+    equal = [_trial("fsdp2_shard_grad_op", 4, 1.0), _trial("zero2", 4, 1.0)]
+    for order in (equal, equal[::-1]):
+        assert decide(order, "ddp-mb4x1", None, "no", 0.0).winner.name == "zero2-mb4x1"
+    # Shard-grad-op before full-shard; within one strategy, equal times go by name.
+    fsdp2 = [_trial("fsdp2_full_shard", 4, 0.99), _trial("fsdp2_shard_grad_op", 4, 1.0)]
+    assert decide(fsdp2, "x", None, "no", 0.02).winner.name == "fsdp2_shard_grad_op-mb4x1"
+    same = [_trial("fsdp2_full_shard", 4, 1.0), _trial("fsdp2_full_shard", 2, 1.0)]
+    for order in (same, same[::-1]):
+        assert decide(order, "x", None, "no", 0.0).winner.name == "fsdp2_full_shard-mb2x2"
+    # Beyond the tolerance the faster wins, FSDP2 or not; its losses are checked like ZeRO's.
+    faster = [_trial("ddp", 4, 1.0), _trial("zero2", 4, 1.0), _trial("fsdp2_shard_grad_op", 4, 0.9)]
+    decision = decide(faster, "ddp-mb4x1", None, "no", 0.02)
+    assert decision.winner.name == "fsdp2_shard_grad_op-mb4x1"
+    assert decision.speedup == pytest.approx(1.0 / 0.9)
+    assert decision.verdicts["fsdp2_shard_grad_op-mb4x1"].loss_reference == "ddp-mb4x1"
+    off = [_trial("ddp", 4, 1.0), _trial("fsdp2_shard_grad_op", 4, 0.9, losses=[2.0, 1.9, 1.7])]
+    assert decide(off, "ddp-mb4x1", None, "no", 0.02).winner.name == "ddp-mb4x1"
 
 
 def test_a_tie_never_picks_something_slower_than_the_current_configuration():
@@ -114,15 +194,17 @@ def test_losses_that_disagree_with_ddp_make_a_candidate_ineligible():
 @pytest.mark.parametrize(
     ("config", "message"),
     [
-        ({"strategies": ("ddp", "zero3")}, "strategies='ddp,zero3'"),
         (
-            {"strategies": ("ddp", "fsdp2_shard_grad_op")},
-            "strategies='ddp,fsdp2_shard_grad_op': dpkit tune does not run FSDP2 yet "
-            "(fsdp2_shard_grad_op); one of ddp,zero1,zero2",
+            {"strategies": ("ddp", "zero3")},
+            "strategies='ddp,zero3': zero3 is not run by dpkit's recipes; a list of ddp, "
+            "zero1, zero2, fsdp2_shard_grad_op, fsdp2_full_shard",
         ),
+        ({"strategies": ("fsdp2_full_shard",) * 2}, "listed twice"),
+        ({"baseline_strategy": "zero2_offload"}, "baseline_strategy='zero2_offload': one of"),
         (
-            {"baseline_strategy": "fsdp2_full_shard"},
-            "baseline_strategy='fsdp2_full_shard': dpkit tune does not run FSDP2 yet",
+            {"strategies": ("ddp", "fsdp2_shard_grad_op"), "zero_bucket_sizes": (2**22,)},
+            "zero_bucket_sizes=(4194304,): no DeepSpeed strategy among "
+            "strategies='ddp,fsdp2_shard_grad_op'",
         ),
         ({"steps": 0}, "steps=0: must be >= 1"),
         ({"zero_bucket_sizes": (3,)}, "3 is not a multiple of 2"),
@@ -136,9 +218,13 @@ def test_a_bad_config_is_refused_when_built(config, message):
         TuneConfig(**config)
 
 
-def test_the_tune_tries_ddp_and_zero_by_default():
-    """The recipes run FSDP2 too, but the tune has no FSDP2 trials yet."""
-    assert TuneConfig().strategies == ("ddp", "zero1", "zero2")
+def test_the_tune_tries_every_strategy_the_recipes_run_by_default():
+    assert list(TuneConfig().strategies) == LEAST_SHARDING_FIRST
+    config = TuneConfig(
+        strategies=("fsdp2_full_shard", "fsdp2_shard_grad_op"),
+        baseline_strategy="fsdp2_full_shard",
+    )
+    assert config.baseline_strategy == "fsdp2_full_shard"
 
 
 def test_flag_values_parse_or_name_the_flag():
@@ -223,3 +309,119 @@ def test_a_trial_past_its_time_names_the_tunes_flag(tmp_path):
     launch_settings = {**_settings().launch_settings(), "launch_timeout_s": 1}
     with pytest.raises(launch.BenchError, match=r"timed out after 1 s \(--trial-timeout\)"):
         launch.run_phase(phase, 1, 1, launch_settings, env=dict(os.environ))
+
+
+def test_the_plan_predicts_fsdp2_with_padded_shards_as_dpkit_plan_does():
+    """At 3 processes the small GPT-2's 8192-row embedding does not split evenly: FSDP2's
+    shards are ceil(d0/3) rows each (torch.chunk's), which the prediction counts."""
+    import math
+    from dataclasses import replace
+
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dpkit.plan.inputs import PlanInputs
+    from dpkit.plan.recommend import make_plan
+
+    settings = replace(
+        _settings(),
+        nproc=3,
+        plan_model={"LMWorkload": {"size": "small", "synthetic": True, "seq_len": 32}},
+    )
+    plan = space.MemoryPlan(settings)
+    # The parameters by hand: MODEL_SIZES["small"], built on the meta device by transformers.
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=6,
+                n_embd=512,
+                n_head=8,
+                vocab_size=8192,
+                n_positions=128,
+                bos_token_id=None,
+                eos_token_id=None,
+            )
+        )
+    shapes = [tuple(p.shape) for p in model.parameters()]  # the tied head counted once
+    whole = sum(math.prod(s) for s in shapes)
+    padded = sum(-(-s[0] // 3) * math.prod(s[1:]) for s in shapes)
+    assert padded > whole / 3  # the padding is there to be counted
+    for name in ("fsdp2_shard_grad_op", "fsdp2_full_shard"):
+        row = plan.estimate(space.Candidate(name, 2, 2))
+        # fp32 parameters, gradients and AdamW's two moments, no master copy.
+        assert (row.params, row.grads, row.optimizer, row.master) == (
+            4 * padded, 4 * padded, 8 * padded, 0.0
+        )  # fmt: skip
+    sgo = plan.estimate(space.Candidate("fsdp2_shard_grad_op", 2, 2))
+    full = plan.estimate(space.Candidate("fsdp2_full_shard", 2, 2))
+    # Shard-grad-op holds every layer's whole parameters from forward to backward.
+    # Full-shard: the root's and two layers' (40.3 MiB here, against 88.5).
+    assert sgo.buffer_parts["fsdp2_whole_params"] >= 4 * whole
+    assert full.buffer_parts["fsdp2_whole_params"] < 0.5 * 4 * whole
+    # The same figure as dpkit plan's own row for these inputs.
+    inputs = PlanInputs(
+        model=plan.spec,
+        gpus_per_node=3,
+        gpu_memory=2**40,
+        precision="fp32",
+        micro_batch=2,
+        gradient_accumulation_steps=2,
+        seq_len=32,
+        reserve=0,
+        headroom=0.0,
+    )
+    rows = {row.strategy: row for row in make_plan(inputs).rows}
+    for name in ("fsdp2_shard_grad_op", "fsdp2_full_shard"):
+        assert plan.predict(space.Candidate(name, 2, 2)) == rows[name].total
+
+
+def _decision(trial: Trial):
+    from dpkit.tune.decide import Decision
+
+    return Decision(trial, None, None, [trial.name], "fastest", {}, 2e-3)
+
+
+def test_an_fsdp2_winner_gets_its_yaml_and_no_deepspeed_json(tmp_path):
+    import yaml
+
+    from dpkit.tune import report
+
+    settings = _settings(recipe_args=("--size", "tiny"))
+    trial = Trial(
+        space.Candidate("fsdp2_shard_grad_op", 2, 2), status=OK, figures={"median_step_time_s": 1}
+    )
+    where = report.write_winner(settings, _decision(trial), tmp_path)
+    assert sorted(p.name for p in where.iterdir()) == ["accelerate.yaml", "command.sh"]
+    config = yaml.safe_load((where / "accelerate.yaml").read_text())
+    assert config["distributed_type"] == "FSDP"
+    assert config["fsdp_config"]["fsdp_version"] == 2
+    assert config["fsdp_config"]["fsdp_reshard_after_forward"] is False
+    command = (where / "command.sh").read_text()
+    assert f"--config_file {where / 'accelerate.yaml'} --num_processes 2 train_lm.py" in command
+    assert "--size tiny --micro-batch-size 2 --gradient-accumulation-steps 2" in command
+
+
+def test_a_zero_winner_gets_the_json_it_ran_with(tmp_path):
+    import json
+
+    import yaml
+
+    from dpkit.tune import report
+    from dpkit.tune.trials import trial_dir
+
+    settings = replace_output(_settings(), tmp_path)
+    trial = Trial(space.Candidate("zero2", 4, 1), status=OK, figures={"median_step_time_s": 1})
+    ran = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 12345}}
+    run_dir = trial_dir(settings, trial.candidate) / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "ds_config.json").write_text(json.dumps(ran))
+    where = report.write_winner(settings, _decision(trial), tmp_path)
+    assert json.loads((where / "ds_config.json").read_text()) == ran
+    config = yaml.safe_load((where / "accelerate.yaml").read_text())
+    assert config["deepspeed_config"]["deepspeed_config_file"] == str(where / "ds_config.json")
+
+
+def replace_output(settings: TuneSettings, out: Path) -> TuneSettings:
+    from dataclasses import replace
+
+    return replace(settings, output_dir=out)

@@ -6,9 +6,9 @@
     dpkit tune --recipe my_train.py --nproc 8 --global-batch-size 256 -- --model my/model
 
 Arguments after ``--`` go to the recipe in every trial. Writes ``results.json``,
-``results.md``, ``chart.png`` and ``winner/`` (DeepSpeed JSON, accelerate YAML,
-``command.sh``) into ``--output-dir``; a second tune of the same folder reuses its
-trials. See docs/tune.md.
+``results.md``, ``chart.png`` and ``winner/`` (accelerate YAML, a ZeRO winner's
+DeepSpeed JSON, ``command.sh``) into ``--output-dir``; a second tune of the same folder
+reuses its trials. See docs/tune.md.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ import shlex
 import sys
 
 from dpkit.errors import UsageError
-from dpkit.strategy import DDP_AND_ZERO
-from dpkit.tune.config import DEFAULT_RECIPE, TuneConfig
+from dpkit.tune.config import DEFAULT_RECIPE, TUNABLE, TuneConfig
 
 
 def _sizes(text: str, flag: str) -> tuple[int, ...]:
@@ -47,7 +46,7 @@ def _seconds(text: str, flag: str) -> float:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The flags of ``dpkit tune``."""
-    names = ",".join(s.name for s in DDP_AND_ZERO)
+    names = ",".join(TUNABLE)
     parser.add_argument(
         "--recipe",
         default=DEFAULT_RECIPE,
@@ -55,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default: {DEFAULT_RECIPE})",
     )
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 2)")
-    parser.add_argument("--strategies", default=names, help=f"comma-separated: {names}")
+    parser.add_argument(
+        "--strategies", default=names, help=f"comma-separated, of {names} (default: all)"
+    )
     parser.add_argument(
         "--micro-batch-size",
         type=int,
@@ -71,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baseline-strategy",
         default="ddp",
-        help="the current configuration's strategy (the speedup is measured against it)",
+        help=f"the current configuration's strategy, one of {names} (the speedup is "
+        "measured against it; default: ddp)",
     )
     parser.add_argument(
         "--global-batch-size",
@@ -89,14 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--zero-bucket-sizes",
         default=None,
-        help="ZeRO bucket sizes (elements) to try on the best ZeRO candidates "
-        "(default: dpkit's size / 4 and x 4)",
+        help="ZeRO bucket sizes (elements) to try on the best DeepSpeed ZeRO candidates "
+        "(default: dpkit's size / 4 and x 4; FSDP2 has no buckets)",
     )
     parser.add_argument(
         "--no-zero-variants",
         action="store_true",
-        help="no second round (the best ZeRO candidates with other bucket sizes and "
-        "contiguous_gradients, and overlap_comm on CUDA, flipped)",
+        help="no second round (the best DeepSpeed ZeRO candidates with other bucket sizes "
+        "and contiguous_gradients, and overlap_comm on CUDA, flipped; FSDP2 has none)",
     )
     parser.add_argument(
         "--memory-budget",

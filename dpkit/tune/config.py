@@ -19,7 +19,7 @@ from typing import Any
 from dpkit import resources
 from dpkit.errors import UsageError
 from dpkit.memory.settings import ZERO_BUCKET_ALIGNMENT
-from dpkit.strategy import DDP_AND_ZERO, STRATEGIES, get_strategy
+from dpkit.strategy import RUNNABLE, get_strategy
 
 DEFAULT_RECIPE = "train_lm.py"
 DEFAULT_CPU_PROCS = 2
@@ -35,6 +35,9 @@ OPTIONAL_FLAGS = {
     "memory-probe-steps": ["1"],  # walk the tensors in step 1 (a warm-up step) only
 }
 HELP_TIMEOUT_S = 300
+TUNABLE = tuple(s.name for s in RUNNABLE)
+"""The strategies a tune may try: every one dpkit's recipes run (DDP, ZeRO-1, ZeRO-2,
+FSDP2 shard-grad-op, FSDP2 full-shard), least sharding first."""
 
 
 def _flag_name(text: str) -> str:
@@ -54,8 +57,9 @@ class TuneConfig:
     """Arguments every trial passes to the recipe (the model, data, precision...)."""
     nproc: int | None = None
     """Processes per trial (default: every GPU, or 2 on CPU)."""
-    strategies: tuple[str, ...] = tuple(s.name for s in DDP_AND_ZERO)
-    """The strategies tried: DDP, ZeRO-1, ZeRO-2 (no FSDP2 trials yet)."""
+    strategies: tuple[str, ...] = TUNABLE
+    """The strategies tried (default: all of :data:`TUNABLE`, FSDP2's two modes included:
+    an FSDP2 trial costs about what a ZeRO one does, docs/tune.md)."""
     micro_batch_size: int | None = None
     """The current configuration's micro-batch (default: the recipe's own default)."""
     gradient_accumulation_steps: int = 1
@@ -70,10 +74,12 @@ class TuneConfig:
     three largest)."""
     zero_bucket_sizes: tuple[int, ...] | None = None
     """ZeRO reduce/all-gather bucket sizes (elements) tried on the best ZeRO candidates
-    (default: dpkit's size, a quarter of it and four times it)."""
+    (default: dpkit's size, a quarter of it and four times it); needs a DeepSpeed strategy
+    among ``strategies``."""
     zero_variants: bool = True
-    """A second round: the best ZeRO candidates with other bucket sizes and
-    ``contiguous_gradients`` flipped (``overlap_comm`` too on CUDA)."""
+    """A second round: the best DeepSpeed ZeRO candidates with other bucket sizes and
+    ``contiguous_gradients`` flipped (``overlap_comm`` too on CUDA). FSDP2 has no such
+    settings: it gets no second round."""
     memory_budget: int | None = None
     """Bytes per rank a candidate may use (default: the GPU's memory less dpkit plan's 2 GiB
     reserve for the CUDA context and allocator slack; none on CPU)."""
@@ -99,27 +105,25 @@ class TuneConfig:
     def __post_init__(self) -> None:
         self.recipe_args = tuple(self.recipe_args)
         self.strategies = tuple(self.strategies)
-        runnable = [s.name for s in DDP_AND_ZERO]
-        # The recipes run FSDP2, but a trial's variants and checks are DDP's and ZeRO's.
-        for name, given in (
-            ("strategies", ",".join(self.strategies)),
-            ("baseline_strategy", self.baseline_strategy),
-        ):
-            fsdp2 = [n for n in given.split(",") if n in STRATEGIES and STRATEGIES[n].uses_fsdp2]
-            if fsdp2:
-                raise UsageError(
-                    f"{name}={given!r}: dpkit tune does not run FSDP2 yet ({fsdp2[0]}); "
-                    f"one of {','.join(runnable)}"
-                )
-        if not self.strategies or set(self.strategies) - set(runnable):
+        unknown = [name for name in self.strategies if name not in TUNABLE]
+        if not self.strategies or unknown:
+            found = f"{unknown[0]} is not run by dpkit's recipes; " if unknown else ""
             raise UsageError(
-                f"strategies={','.join(self.strategies)!r}: a list of {', '.join(runnable)}"
+                f"strategies={','.join(self.strategies)!r}: {found}a list of {', '.join(TUNABLE)}"
             )
         if len(set(self.strategies)) != len(self.strategies):
             raise UsageError(f"strategies={','.join(self.strategies)!r}: listed twice")
-        if self.baseline_strategy not in runnable:
+        if self.baseline_strategy not in TUNABLE:
             raise UsageError(
-                f"baseline_strategy={self.baseline_strategy!r}: one of {', '.join(runnable)}"
+                f"baseline_strategy={self.baseline_strategy!r}: one of {', '.join(TUNABLE)}"
+            )
+        if self.zero_bucket_sizes is not None and not any(
+            get_strategy(name).uses_deepspeed for name in self.strategies
+        ):
+            # Buckets are DeepSpeed's; FSDP2 and DDP have none, so the sizes would go unused.
+            raise UsageError(
+                f"zero_bucket_sizes={self.zero_bucket_sizes}: no DeepSpeed strategy among "
+                f"strategies={','.join(self.strategies)!r} (FSDP2 and DDP have no ZeRO buckets)"
             )
         positive = {
             "nproc": self.nproc,

@@ -7,7 +7,12 @@ micro-batches, so only the sharding differs) within the suite's equivalence tole
 shortest median step time (every candidate trains the same global batch, so that is
 the highest throughput); candidates within ``tie_tolerance`` of it, and no slower
 than the current configuration, are a tie, which the least sharding wins (less
-sharding, fewer collectives and a simpler run at the same speed).
+sharding, fewer collectives and a simpler run at the same speed), in ``dpkit plan``'s
+order: DDP, ZeRO-1, ZeRO-2, FSDP2 shard-grad-op, FSDP2 full-shard
+(:attr:`~dpkit.tune.space.Candidate.sharding_rank`; ZeRO-2 before shard-grad-op, though
+both shard gradients and optimizer state: ZeRO-2 keeps the parameters whole between
+steps). Within one strategy the faster wins, then the name, so equal times still give
+one answer whatever order the trials ran in.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpkit.bench.results import loss_rtol
+from dpkit.strategy import get_strategy
 from dpkit.tune.trials import OK, Trial
 
 
@@ -73,7 +79,7 @@ def verdicts(trials: list[Trial], budget: float | None, precision: str) -> dict[
     ddp = {
         t.candidate.micro_batch_size: t
         for t in trials
-        if t.status == OK and t.candidate.strategy == "ddp" and not t.candidate.zero
+        if t.status == OK and get_strategy(t.candidate.strategy).engine == "ddp"
     }
     found: dict[str, Verdict] = {}
     for trial in trials:
@@ -119,13 +125,13 @@ def decide(
     eligible = [t for t in trials if found[t.name].eligible]
     if not eligible:
         return Decision(None, baseline, None, [], "no candidate ran, fits and agrees", found, rtol)
-    fastest = min(eligible, key=lambda t: t.step_time)
+    fastest = min(eligible, key=lambda t: (t.step_time, t.candidate.sharding_rank, t.name))
     ceiling = fastest.step_time * (1 + tie_tolerance)
     if baseline is not None and found[baseline.name].eligible:
         # A tie never picks something slower than what the user runs today.
         ceiling = min(ceiling, max(baseline.step_time, fastest.step_time))
     tie = [t for t in eligible if t.step_time <= ceiling]
-    winner = min(tie, key=lambda t: (t.candidate.sharding, t.step_time))
+    winner = min(tie, key=lambda t: (t.candidate.sharding_rank, t.step_time, t.name))
     speedup = (
         baseline.step_time / winner.step_time
         if baseline is not None and found[baseline.name].eligible

@@ -1,8 +1,8 @@
 """What ``dpkit tune`` writes: ``results.json`` (every raw number, the machine, the
 versions), ``results.md`` (the table, also printed), ``chart.png`` (throughput against
 measured memory per candidate, the budget line, the winner marked) and ``winner/``:
-the winner's resolved DeepSpeed JSON, an accelerate YAML naming it, and the launch
-command (``command.sh``)."""
+the winner's accelerate YAML (a ZeRO winner's names its resolved DeepSpeed JSON, copied
+beside it; an FSDP2 winner's sets the mode) and the launch command (``command.sh``)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.bench import launch
-from dpkit.strategy import get_strategy
+from dpkit.strategy import RUNNABLE, get_strategy
 from dpkit.tune import space
 from dpkit.tune.config import TuneSettings
 from dpkit.tune.decide import Decision
@@ -22,6 +22,8 @@ from dpkit.tune.trials import OK, Trial, recipe_command, trial_dir
 MIB = 2**20
 OUTPUTS = ("results.json", "results.md", "chart.png")
 WINNER_DIR = "winner"
+# One colour per strategy on the chart (matplotlib's default cycle, DDP's blue first).
+CHART_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
 
 
 def clear_outputs(out: Path) -> None:
@@ -152,7 +154,8 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {"ddp": "#4c72b0", "zero1": "#dd8452", "zero2": "#55a868"}
+    colors = {s.name: color for s, color in zip(RUNNABLE, CHART_COLORS, strict=True)}
+    shown = {trial["strategy"] for trial in results["trials"] if trial["status"] == OK}
     fig, ax = plt.subplots(figsize=(8, 5))
     for trial in results["trials"]:
         if trial["status"] != OK:
@@ -172,7 +175,8 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
         )
         ax.annotate(trial["name"], (x, y), fontsize=7, xytext=(4, 4), textcoords="offset points")
     for name, color in colors.items():
-        ax.scatter([], [], color=color, label=get_strategy(name).label)
+        if name in shown:  # the legend names the strategies tried, not all five
+            ax.scatter([], [], color=color, label=get_strategy(name).label)
     if results["memory_budget_bytes"] is not None:
         ax.axvline(results["memory_budget_bytes"] / MIB, color="red", linestyle="--")
         ax.plot([], [], color="red", linestyle="--", label="budget")
@@ -190,8 +194,10 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
 
 
 def write_winner(settings: TuneSettings, decision: Decision, out: Path) -> Path | None:
-    """``winner/``: the resolved DeepSpeed JSON the winner ran with (ZeRO), the accelerate
-    YAML naming it, and ``command.sh`` launching the recipe with the winner's settings."""
+    """``winner/``: the accelerate YAML of the winner's strategy (for ZeRO naming the
+    resolved DeepSpeed JSON the winner ran with, copied here; for FSDP2 dpkit's FSDP2
+    YAML, which sets the mode), and ``command.sh`` launching the recipe with the
+    winner's settings."""
     trial = decision.winner
     if trial is None:
         return None

@@ -22,6 +22,7 @@ from typing import Any
 from dpkit.bench import launch
 from dpkit.bench.results import TARGET_PLAN_ERROR_PCT
 from dpkit.errors import UsageError
+from dpkit.strategy import get_strategy
 from dpkit.tune import report, space
 from dpkit.tune.config import TuneConfig, TuneSettings, resolve_tune
 from dpkit.tune.decide import decide, verdicts
@@ -143,22 +144,25 @@ class _Tuner:
             self.bar.set_postfix_str(f"best {best.name} {best.step_time:.3f} s/step")
 
     def second_round(self) -> list[space.Candidate]:
-        """Bucket and flag variants of each ZeRO strategy's best first-round trial."""
+        """Bucket and flag variants of each DeepSpeed ZeRO strategy's best first-round
+        trial (DDP and FSDP2 have no ZeRO settings to vary)."""
         found = verdicts(self.trials, self.settings.memory_budget, self.settings.precision)
         names = {t.name for t in self.trials}
         candidates: list[space.Candidate] = []
         if not self.settings.config.zero_variants:
             return candidates
         for strategy in self.settings.config.strategies:
+            if not get_strategy(strategy).uses_deepspeed:
+                continue
             ran = [
                 t
                 for t in self.trials
                 if t.candidate.strategy == strategy and found[t.name].eligible
             ]
-            if not ran or not ran[0].candidate.sharding:
+            if not ran:
                 continue
             best = min(ran, key=lambda t: t.step_time)
-            zero = best.figures.get("zero_optimization", {})
+            zero = best.figures.get("zero_optimization") or {}
             for candidate in space.second_round(best.candidate, zero, self.settings):
                 if candidate.name not in names:
                     candidates.append(candidate)

@@ -2,14 +2,17 @@
 
 Two rounds, so the default tune stays within minutes:
 
-1. every strategy at every micro-batch, accumulation making up the same global batch
-   (so every candidate trains the same samples per optimizer step and their losses are
-   comparable), ZeRO with dpkit's own bucket settings;
-2. for each ZeRO strategy, its fastest fitting round-1 micro-batch with other bucket
-   sizes, and ``contiguous_gradients`` (and on CUDA ``overlap_comm``) flipped.
+1. every strategy (DDP, ZeRO-1/2, FSDP2's two modes) at every micro-batch, accumulation
+   making up the same global batch (so every candidate trains the same samples per
+   optimizer step and their losses are comparable), ZeRO with dpkit's own bucket settings;
+2. for each DeepSpeed ZeRO strategy, its fastest fitting round-1 micro-batch with other
+   bucket sizes, and ``contiguous_gradients`` (and on CUDA ``overlap_comm``) flipped.
+   FSDP2 has no such settings (``fully_shard`` all-gathers and reduce-scatters one unit,
+   a transformer layer, at a time): it has no second round.
 
 Each candidate's memory is predicted by ``dpkit plan``'s arithmetic
-(:func:`dpkit.plan.estimate.estimate`) with the candidate's own settings, and a
+(:func:`dpkit.plan.estimate.estimate`) with the candidate's own settings (FSDP2: each
+parameter's shard padded on dim 0, and the whole parameters it gathers), and a
 candidate predicted over the budget is not launched.
 """
 
@@ -19,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpkit.memory.settings import DEEPSPEED_DEFAULT_BUCKET, ZERO_BUCKET_ALIGNMENT
+from dpkit.plan.estimate import StrategyEstimate
+from dpkit.plan.recommend import recommendation_order
 from dpkit.strategy import get_strategy
 from dpkit.tune.config import TuneSettings
 
@@ -37,6 +42,12 @@ class Candidate:
     gradient_accumulation_steps: int
     zero: tuple[tuple[str, Any], ...] = ()
     round: int = 1
+
+    def __post_init__(self) -> None:
+        # Only DeepSpeed reads zero_optimization keys; on another engine they would be
+        # silently dropped while the trial's name claims them.
+        if self.zero and not get_strategy(self.strategy).uses_deepspeed:
+            raise ValueError(f"{self.strategy}: zero_optimization keys are DeepSpeed's only")
 
     @property
     def name(self) -> str:
@@ -61,8 +72,22 @@ class Candidate:
 
     @property
     def sharding(self) -> int:
-        """How much is sharded (DDP 0 < ZeRO-1 < ZeRO-2): ties go to the least."""
+        """What is sharded, as a ZeRO stage: DDP 0, ZeRO-1 1, ZeRO-2 and FSDP2
+        shard-grad-op 2, FSDP2 full-shard 3."""
         return get_strategy(self.strategy).zero_stage
+
+    @property
+    def sharding_rank(self) -> int:
+        """Where the strategy stands in ``dpkit plan``'s least-sharding-first order (DDP,
+        ZeRO-1, ZeRO-2, FSDP2 shard-grad-op, FSDP2 full-shard): a tie goes to the lowest.
+
+        ZeRO-2 and FSDP2 shard-grad-op have the same stage; ZeRO-2 ranks first because it
+        shards less: every rank keeps the whole parameters between steps, where FSDP2 keeps
+        1/N of them and all-gathers every layer in every micro-batch's forward (with
+        accumulation k all-gathers per step, against ZeRO-2's one after the step).
+        """
+        names = [s.name for s in recommendation_order()]
+        return names.index(get_strategy(self.strategy).name)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -94,15 +119,16 @@ def baseline(settings: TuneSettings) -> Candidate:
 
 
 def first_round(settings: TuneSettings) -> list[Candidate]:
-    """Every strategy at every micro-batch; the baseline first, then DDP (the reference
-    of the losses), largest micro-batches first."""
+    """Every strategy at every micro-batch; the baseline first, then least sharding first
+    (:attr:`Candidate.sharding_rank`: DDP, the reference of the losses, leads), largest
+    micro-batches first."""
     ordered = sorted(
         (
             Candidate(name, micro, settings.per_rank_batch // micro)
             for name in settings.config.strategies
             for micro in settings.micro_batch_sizes
         ),
-        key=lambda c: (c.sharding, -c.micro_batch_size),
+        key=lambda c: (c.sharding_rank, -c.micro_batch_size),
     )
     first = baseline(settings)
     return [first, *(c for c in ordered if c != first)]
@@ -116,8 +142,11 @@ def _aligned(elements: float) -> int:
 def second_round(
     best: Candidate, resolved_zero: dict[str, Any], settings: TuneSettings
 ) -> list[Candidate]:
-    """Variants of a ZeRO candidate's settings around what it ran with (``resolved_zero``,
-    the ``zero_optimization`` section of its ``ds_config.json``)."""
+    """Variants of a DeepSpeed ZeRO candidate's settings around what it ran with
+    (``resolved_zero``, the ``zero_optimization`` section of its ``ds_config.json``);
+    :class:`ValueError` for any other engine (DDP and FSDP2 have no such settings)."""
+    if not get_strategy(best.strategy).uses_deepspeed:
+        raise ValueError(f"{best.name}: only DeepSpeed's ZeRO candidates have a second round")
     bucket = int(resolved_zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_BUCKET))
     sizes = settings.config.zero_bucket_sizes or (_aligned(bucket / 4), _aligned(bucket * 4))
     variants: list[tuple[tuple[str, Any], ...]] = [
@@ -154,6 +183,13 @@ class MemoryPlan:
 
     def predict(self, candidate: Candidate) -> float:
         """Predicted peak bytes per rank (the plan's total, no reserve, no headroom)."""
+        return float(self.estimate(candidate).total)
+
+    def estimate(self, candidate: Candidate) -> StrategyEstimate:
+        """``dpkit plan``'s row (:class:`~dpkit.plan.estimate.StrategyEstimate`) for the
+        candidate: its micro-batch and accumulation, its ZeRO keys over dpkit's buffer
+        settings. FSDP2's rows come from the model's parameter shapes, each padded on dim
+        0 to a multiple of the processes, as ``dpkit plan`` makes them."""
         from dpkit.plan.estimate import buffer_settings, estimate
         from dpkit.plan.inputs import PlanInputs
 
@@ -172,10 +208,9 @@ class MemoryPlan:
         )
         plan_settings = buffer_settings(self.spec, nproc, on_cuda=on_cuda)
         plan_settings.update(candidate.zero_overrides)
-        row = estimate(
+        return estimate(
             inputs, candidate.strategy, candidate.micro_batch_size, self.activations, plan_settings
         )
-        return float(row.total)
 
 
 def memory_plan(settings: TuneSettings) -> tuple[MemoryPlan | None, str]:

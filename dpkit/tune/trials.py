@@ -1,7 +1,8 @@
 """One trial of ``dpkit tune``: launch the recipe for a candidate, read what it measured.
 
 A trial is a real launch under ``accelerate launch`` with dpkit's YAML for the
-strategy (a DeepSpeed JSON with the candidate's ``zero_optimization`` keys), run by
+strategy (ZeRO: naming a DeepSpeed JSON with the candidate's ``zero_optimization`` keys;
+FSDP2: ``fsdp_version: 2`` and the mode's ``fsdp_reshard_after_forward``), run by
 ``dpkit bench``'s launcher (:func:`dpkit.bench.launch.run_phase`: own session, free
 port, timeout, the output tail on failure). Its figures are read from the run's own
 files with ``dpkit bench``'s readers, and kept in ``trial.json`` beside a fingerprint
@@ -108,7 +109,9 @@ def recipe_command(settings: TuneSettings, candidate: Candidate) -> list[str]:
 
 
 def phase(settings: TuneSettings, candidate: Candidate) -> launch.Phase:
-    """The launch of ``candidate``: ``accelerate launch`` with the strategy's YAML."""
+    """The launch of ``candidate``: ``accelerate launch`` with the strategy's YAML (for
+    FSDP2 the recipe reads the mode from it and applies ``fully_shard`` itself, on CPU
+    and GPU alike)."""
     where = trial_dir(settings, candidate)
     run_dir = where / "run"
     strategy = get_strategy(candidate.strategy)
@@ -159,8 +162,12 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
         r["model_states"] + r["buffers"] + float(r["activations"] or 0.0) for r in memory["ranks"]
     ]
     peak = memory["peak_bytes"] if on_cuda and memory["peak_bytes"] else max(counted)
-    ds_config = run_dir / "ds_config.json"
-    zero = read_json(ds_config).get("zero_optimization", {}) if ds_config.is_file() else {}
+    # The DeepSpeed JSON the engine got (its resolved buckets feed the second round).
+    # DDP and FSDP2 runs write none: no ZeRO settings, recorded as None.
+    zero = None
+    if get_strategy(candidate.strategy).uses_deepspeed:
+        ds_config = run_dir / "ds_config.json"
+        zero = read_json(ds_config).get("zero_optimization", {}) if ds_config.is_file() else {}
     return {
         **{k: v for k, v in steps.items() if k != "step_cpu_s"},
         "memory_bytes": float(peak),
