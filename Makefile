@@ -59,7 +59,7 @@ bench-trainer: setup
 	$(VENV)/bin/dpkit bench --workload classification --output-dir bench_results/trainer
 
 # The fastest strategy x micro-batch x ZeRO buckets at a fixed global batch, measured
-# (train_lm.py; the 15 DDP/ZeRO trials took 7.2 minutes on 2 CPU cores, FSDP2 adds 6) -> tune_results/latest (docs/tune.md)
+# (train_lm.py; 21 trials, 6.3 minutes on 2 CPU cores) -> tune_results/latest (docs/tune.md)
 tune: setup
 	$(VENV)/bin/dpkit tune --output-dir tune_results/latest
 
