@@ -24,6 +24,24 @@ def hides_gpus(markexpr: str) -> bool:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    """Keep a mutant in this process; hide the GPUs from the CPU suite (below)."""
+    keep_mutant_in_process()
+    hide_gpus(config)
+
+
+def keep_mutant_in_process() -> None:
+    """Under ``make mutate``: the mutant under test stays in this process.
+
+    mutmut names the active mutant in ``MUTANT_UNDER_TEST`` and also keeps it in its own
+    process-local state, which its trampolines read when the variable is absent. A test
+    that starts a process (a CLI in another folder, a launch) would hand the variable on,
+    and the child, outside mutmut's folder, fails to find its configuration. Dropped
+    here, the child runs the code unmutated: only in-process tests judge a mutant.
+    """
+    os.environ.pop("MUTANT_UNDER_TEST", None)
+
+
+def hide_gpus(config: pytest.Config) -> None:
     """Hide the GPUs from the CPU suite, unless the run selects only ``gpu`` tests.
 
     The suite asserts CPU outcomes (gloo, MULTI_CPU, ZeRO's CPU buckets); on a CUDA box

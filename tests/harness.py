@@ -400,3 +400,34 @@ class WarmRecipe:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+
+
+from dpkit.plan.check import PlanCheck, check_run, format_check  # noqa: E402
+
+MODEL_STATE_CATEGORIES = ("params", "grads", "optimizer", "master")
+
+
+def assert_plan_matches_report(run_dir: Path, category_pct: float, total_pct: float) -> PlanCheck:
+    """``dpkit plan --against run_dir`` against the run's own ``memory_report.json``, read
+    here: per category (params, grads, optimizer, master) the plan's figure against the
+    largest rank's, a category measured as 0 predicted as 0 and any other within
+    ``category_pct`` percent; and the model-state total (the plan's categories added up)
+    against the largest rank's sum of its four categories, within ``total_pct`` percent.
+    The tolerances are the caller's, argued from its measurement. Returns the check."""
+    check = check_run(run_dir)
+    table = format_check(check)
+    ranks = json.loads((Path(run_dir) / "memory_report.json").read_text())["ranks"]
+    predicted = {c: check.predicted[c] for c in MODEL_STATE_CATEGORIES}
+    for category in MODEL_STATE_CATEGORIES:
+        measured = max(float(r[category]) for r in ranks)
+        if measured == 0:
+            assert predicted[category] == 0, f"{category}: measured 0\n{table}"
+        else:
+            error = abs(predicted[category] - measured) / measured
+            assert error <= category_pct / 100, f"{category}: {100 * error:.2f}%\n{table}"
+    measured_total = max(sum(float(r[c]) for c in MODEL_STATE_CATEGORIES) for r in ranks)
+    predicted_total = sum(predicted.values())
+    assert check.predicted["total"] == predicted_total, table
+    error = abs(predicted_total - measured_total) / measured_total
+    assert error <= total_pct / 100, f"total: {100 * error:.2f}%\n{table}"
+    return check

@@ -137,7 +137,13 @@ def test_plan_reads_the_checkpoints_config(checkpoints, kind):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folders[kind]))
-    assert plan["model"]["num_params"] == sum(p.numel() for p in model.parameters())
+    psi = sum(p.numel() for p in model.parameters())
+    assert plan["model"]["num_params"] == psi
+    # bf16 (the default) under DDP is autocast: fp32 parameters and AdamW moments (4 + 8
+    # bytes), and the 16-bit copy of each weight the forward keeps for backward (2 bytes).
+    ddp = next(row for row in plan["strategies"] if row["strategy"] == "ddp")
+    assert (ddp["bytes_per_gpu"]["params"], ddp["bytes_per_gpu"]["optimizer"]) == (4 * psi, 8 * psi)
+    assert ddp["activation_parts"]["autocast_weight_copies"] == 2 * psi
 
 
 # A model of one's own whose loss leaves a parameter out (a pooler under a head of one's

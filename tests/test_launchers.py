@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import SHORT_RUN, max_rel_diff, python_cmd, run, torchrun_cmd
+from tests.harness import SHORT_RUN, max_rel_diff, run, torchrun_cmd
 from tests.recipe_runs import LAUNCHES
 
 pytestmark = pytest.mark.multiprocess
@@ -121,9 +121,9 @@ def test_run_config_records_the_launchers_environment_not_accelerates(launched):
 # the same partitions, so they agree to float rounding (bare stack: ~1e-7
 # relative). Torch DDP reduces gradients in other buckets and orders, so its
 # rounding differs; Adam's normalisation amplifies that, and the bare stack drifted
-# to ~3e-4 relative by step 6. We allow 2e-3 (about 6x) for DDP against ZeRO and
-# for accumulation against more processes, far below the loss change these six
-# steps make (checked too, so the comparison cannot pass on a flat trajectory).
+# to ~3e-4 relative by step 6. We allow 2e-3 (about 6x) for DDP against ZeRO, far
+# below the loss change these six steps make (checked too, so the comparison cannot
+# pass on a flat trajectory).
 ZERO_STAGES_RTOL = 1e-5
 DDP_VS_ZERO_RTOL = 2e-3
 
@@ -143,16 +143,11 @@ def test_ddp_and_zero_losses_agree(launched):
     assert max(ddp) - min(ddp) > 5 * DDP_VS_ZERO_RTOL * max(ddp)
 
 
-def test_two_processes_match_one_process_with_accumulation(launched, tmp_path):
-    """2 processes x micro-batch 16 == 1 process x accumulation 2 x micro-batch 16."""
-    single = run(
-        python_cmd(*SHORT_RUN, "--gradient-accumulation-steps", "2", "--output-dir", str(tmp_path)),
-        tmp_path,
-    ).check()
-    assert single.run_info["global_batch_size"] == 32
-    two = launched("accelerate_ddp_yaml")
-    assert max_rel_diff(single.losses, two.losses, length=6) < DDP_VS_ZERO_RTOL
-    assert [r["lr"] for r in single.train_log] == pytest.approx([r["lr"] for r in two.train_log])
+# "2 processes = 1 process with accumulation" is checked without a MiniLM launch of its
+# own (it cost ~60 CPU-seconds): tests/test_numerics.py holds every strategy, fp32 and
+# bf16, at 2 ranks x accumulation 2 to one fp32 process accumulating the same global batch;
+# tests/test_checkpoint.py's zero2-2to1 resumes this recipe as 1 process x accumulation 2
+# and follows the 2-process run's losses and learning rates.
 
 
 def test_one_and_two_processes_give_the_same_accuracy_on_the_same_weights(launched, tmp_path):

@@ -7,7 +7,6 @@ import json
 import pytest
 
 from dpkit.errors import UsageError
-from dpkit.memory.settings import zero_memory_settings
 from dpkit.models import ModelSizes
 from dpkit.train.config import StrategyConfig
 from dpkit.train.deepspeed_config import fill_deepspeed_config
@@ -129,11 +128,22 @@ def _fill(template, **overrides):
         weight_decay=0.01,
     )
     kwargs.update(overrides)
-    # MiniLM's sizes: 22.7M parameters, hidden 384, an 11.7M-element word embedding.
-    zero_settings = zero_memory_settings(
-        22_713_986, 384, world_size=kwargs["world_size"], stage=2, largest_param_numel=11_720_448
-    )
-    return fill_deepspeed_config(template, zero_settings=zero_settings, **kwargs)
+    return fill_deepspeed_config(template, zero_settings=MINILM_ZERO_SETTINGS, **kwargs)
+
+
+# The zero_optimization values the run hands the filling for MiniLM (22.7M parameters,
+# hidden 384, an 11.7M-element word embedding) at 2 CPU ranks, written out rather than asked
+# of dpkit.memory.settings, whose sizing its own tests check (test_memory.py): hidden^2 =
+# 147,456 is under the 2^21-element floor; the embedding is larger than the bucket and than
+# a quarter of a rank's 11.4M-element partition, so no contiguous gradients; no overlap on CPU.
+MINILM_ZERO_SETTINGS = {
+    "reduce_bucket_size": 2**21,
+    "allgather_bucket_size": 2**21,
+    "overlap_comm": False,
+    "contiguous_gradients": False,
+    "round_robin_gradients": False,
+    "reduce_scatter": True,
+}
 
 
 @pytest.mark.parametrize("path", [ZERO1, ZERO2])
@@ -147,8 +157,9 @@ def test_auto_values_filled_and_batch_identity_holds(path, micro, accum, world):
     assert config["train_micro_batch_size_per_gpu"] == micro
     assert config["gradient_accumulation_steps"] == accum
     assert config["gradient_clipping"] == 1.0
-    # MiniLM's hidden^2 is under the floor of dpkit.memory.settings.bucket_elements.
-    assert config["zero_optimization"]["reduce_bucket_size"] == 2**21
+    # Every memory setting the template leaves out or "auto" is the run's; its stage stays.
+    stage = 1 if path == ZERO1 else 2
+    assert config["zero_optimization"] == {"stage": stage, **MINILM_ZERO_SETTINGS}
     assert config["bf16"] == {"enabled": False} and config["fp16"] == {"enabled": False}
     assert all(value != "auto" for _, value in _leaves(config))
     assert template["train_batch_size"] == "auto", "the template itself is not modified"

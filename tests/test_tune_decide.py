@@ -5,6 +5,7 @@ The launches (the figures these choices are made on) are in tests/test_tune.py.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -97,6 +98,125 @@ def test_second_round_varies_buckets_and_flags_around_what_ran():
     assert [v.name for v in chosen][:1] == ["zero2-mb2x2-bucket4M"]  # 2**21 ran already
 
 
+def test_a_candidates_name_and_json_keys_say_what_it_runs():
+    """Bucket sizes in the name in M or K where whole, else in elements; a bucket sets the
+    reduce and the all-gather bucket; a flag named for the way it is set."""
+    names = {
+        3 * 2**20: "zero1-mb8x1-bucket3M",
+        1536 * 2**10: "zero1-mb8x1-bucket1536K",
+        2**19: "zero1-mb8x1-bucket512K",
+        1_000_002: "zero1-mb8x1-bucket1000002",
+    }
+    for size, name in names.items():
+        candidate = space.Candidate("zero1", 8, 1, (("reduce_bucket_size", size),))
+        assert candidate.name == name
+        assert candidate.zero_overrides == {
+            "reduce_bucket_size": size,
+            "allgather_bucket_size": size,
+        }
+    flags = (("contiguous_gradients", True), ("overlap_comm", False))
+    candidate = space.Candidate("zero2", 1, 4, flags, round=2)
+    assert candidate.name == "zero2-mb1x4-contig-nooverlap"
+    assert candidate.zero_overrides == {"contiguous_gradients": True, "overlap_comm": False}
+    flipped = space.Candidate("zero2", 1, 4, (("contiguous_gradients", False), ("overlap_comm", 1)))
+    assert flipped.name == "zero2-mb1x4-nocontig-overlap"
+    assert candidate.as_dict() == {
+        "name": "zero2-mb1x4-contig-nooverlap",
+        "strategy": "zero2",
+        "micro_batch_size": 1,
+        "gradient_accumulation_steps": 4,
+        "zero_overrides": {"contiguous_gradients": True, "overlap_comm": False},
+        "round": 2,
+    }
+    assert space.Candidate("ddp", 4, 1).as_dict()["round"] == 1
+    # What each strategy shards, in ZeRO stages, and its place in dpkit plan's order.
+    stages = [space.Candidate(name, 4, 1).sharding for name in LEAST_SHARDING_FIRST]
+    assert stages == [0, 1, 2, 2, 3]
+    ranks = [space.Candidate(name, 4, 1).sharding_rank for name in LEAST_SHARDING_FIRST]
+    assert ranks == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="^ddp: zero_optimization keys are DeepSpeed's only$"):
+        space.Candidate("ddp", 4, 1, (("overlap_comm", True),))
+
+
+def test_the_current_configuration_is_its_strategy_at_its_micro_batch():
+    from dataclasses import replace
+
+    settings = replace(_settings(baseline_strategy="zero1"), per_rank_batch=8)
+    settings = replace(settings, baseline_micro_batch=2)
+    assert space.baseline(settings) == space.Candidate("zero1", 2, 4)
+
+
+def test_second_round_buckets_are_clamped_aligned_and_flags_follow_what_ran():
+    """A quarter and four times the bucket that ran, each at least 2^18 elements (smaller
+    only adds per-call costs), at most DeepSpeed's 5e8, rounded up to an even count (its
+    alignment assert)."""
+    best = space.Candidate("zero1", 4, 1)
+
+    def variants(ran: dict, **settings) -> list[tuple]:
+        found = space.second_round(best, ran, _settings(**settings))
+        assert all(v.round == 2 and v.micro_batch_size == 4 for v in found)
+        assert all(v.gradient_accumulation_steps == 1 and v.strategy == "zero1" for v in found)
+        return [v.zero for v in found]
+
+    assert variants({"reduce_bucket_size": 2**19, "contiguous_gradients": False}) == [
+        (("reduce_bucket_size", 2**18),),  # 2^17 raised to the floor
+        (("reduce_bucket_size", 2**21),),
+        (("contiguous_gradients", True),),
+    ]
+    # 4,000,006 / 4 = 1,000,001.5 -> 1,000,001 -> 1,000,002 (even); x 4 = 16,000,024.
+    assert variants({"reduce_bucket_size": 4_000_006})[:2] == [
+        (("reduce_bucket_size", 1_000_002),),
+        (("reduce_bucket_size", 16_000_024),),
+    ]
+    # Nothing resolved: DeepSpeed's defaults ran (5e8 elements, contiguous gradients on);
+    # four times it is clamped back to 5e8, which ran already.
+    assert variants({}) == [
+        (("reduce_bucket_size", 125_000_000),),
+        (("contiguous_gradients", False),),
+    ]
+    assert variants({"reduce_bucket_size": 3 * 10**8})[1] == (("reduce_bucket_size", 500_000_000),)
+    # Sizes given: those, less the one that ran.
+    assert variants({"reduce_bucket_size": 2**21}, zero_bucket_sizes=(2**20, 2**21, 2**22)) == [
+        (("reduce_bucket_size", 2**20),),
+        (("reduce_bucket_size", 2**22),),
+        (("contiguous_gradients", False),),
+    ]
+
+
+def test_overlap_comm_is_tried_for_zero2_on_cuda_only():
+    from dataclasses import replace
+
+    cuda = replace(_settings(), device="cuda")
+    ran = {"reduce_bucket_size": 2**21, "overlap_comm": True}
+    zero2 = space.second_round(space.Candidate("zero2", 4, 1), ran, cuda)
+    assert [v.name for v in zero2][-2:] == ["zero2-mb4x1-nocontig", "zero2-mb4x1-nooverlap"]
+    default = space.second_round(space.Candidate("zero2", 4, 1), {}, cuda)
+    assert default[-1].zero == (("overlap_comm", True),)  # DeepSpeed's default is off
+    # ZeRO-1 reduces after the backward: nothing to overlap. On CPU: no CUDA streams.
+    zero1 = space.second_round(space.Candidate("zero1", 4, 1), ran, cuda)
+    assert [v.name for v in zero1][-1] == "zero1-mb4x1-nocontig"
+    cpu = space.second_round(space.Candidate("zero2", 4, 1), ran, _settings())
+    assert [v.name for v in cpu][-1] == "zero2-mb4x1-nocontig"
+
+
+def test_the_plan_is_made_for_dpkits_recipes_only():
+    from dataclasses import replace
+
+    with pytest.raises(UsageError, match="^--recipe=train_lm.py: not from recipes/finetune.py"):
+        space.MemoryPlan(replace(_settings(), plan_model={"SomeWorkload": {}}))
+
+    plan, note = space.memory_plan(_settings())
+    assert plan is None
+    assert note == (
+        "no plan: train_lm.py is not one of dpkit's recipes, so its model is known only once "
+        "it runs; the budget is checked against measurements"
+    )
+    workload = {"LMWorkload": {"size": "tiny", "synthetic": True, "seq_len": 16}}
+    plan, note = space.memory_plan(replace(_settings(), plan_model=workload))
+    assert note == "plan: train_lm --size tiny, 16 tokens, fp32"
+    assert (plan.model_name, plan.seq_len, plan.precision) == ("train_lm --size tiny", 16, "fp32")
+
+
 def test_fsdp2_gets_no_second_round():
     """FSDP2 has no bucket or contiguous_gradients settings: only the DeepSpeed strategies'
     best candidates are varied, and a ZeRO key on an FSDP2 candidate is refused."""
@@ -177,6 +297,72 @@ def test_a_tie_never_picks_something_slower_than_the_current_configuration():
     assert decision.speedup == 1.0
 
 
+def test_the_tie_window_is_a_fraction_of_the_fastest_step_at_any_scale():
+    """--tie-tolerance is a share of the fastest step time (2%), not seconds: at 0.05 s a
+    candidate 20% slower is no tie (an absolute 0.02 s window would take it); at 20 s one
+    1% slower is (an absolute window would miss it)."""
+    fast = [_trial("ddp", 4, 0.06), _trial("zero2", 4, 0.05)]
+    decision = decide(fast, "ddp-mb4x1", None, "no", tie_tolerance=0.02)
+    assert decision.winner.name == "zero2-mb4x1"
+    assert decision.tie == ["zero2-mb4x1"]
+    assert decision.reason == "fastest of 2 eligible candidates"
+    assert decision.speedup == pytest.approx(0.06 / 0.05)
+    slow = [_trial("ddp", 4, 20.2), _trial("zero2", 4, 20.0)]
+    decision = decide(slow, "ddp-mb4x1", None, "no", tie_tolerance=0.02)
+    assert decision.winner.name == "ddp-mb4x1"
+    assert decision.tie == ["ddp-mb4x1", "zero2-mb4x1"]
+    assert decision.reason == "within 2% of the fastest (zero2-mb4x1, 20.000 s) with less sharding"
+    assert decision.speedup == 1.0
+    # 2% of 20 s is 0.4 s: 20.5 s is outside the window, whatever the order of the trials.
+    outside = [_trial("ddp", 4, 20.5), _trial("zero2", 4, 20.0)]
+    for order in (outside, outside[::-1]):
+        decision = decide(order, "ddp-mb4x1", None, "no", tie_tolerance=0.02)
+        assert decision.winner.name == "zero2-mb4x1" and decision.tie == ["zero2-mb4x1"]
+        assert decision.speedup == pytest.approx(20.5 / 20.0)
+    # A wider window (10%) takes it in: the tolerance given is the one used.
+    assert decide(outside, "ddp-mb4x1", None, "no", 0.10).winner.name == "ddp-mb4x1"
+
+
+# The equivalence tolerances, argued where they were measured (never read from dpkit):
+# fp32 2e-3, tests/test_launchers.py (the bare stack's DDP drifted from DeepSpeed to ~3e-4
+# relative by step 6, docs/equivalence.md: about 6x margin); bf16 2^-6 = 4 units of bf16's
+# roundoff, tests/test_mixed_precision.py (DeepSpeed's bf16 module against DDP's autocast
+# measured at most 0.61% over 6 steps).
+FP32_LOSS_RTOL = 2e-3
+BF16_LOSS_RTOL = 2.0**-6
+
+
+def test_fp32_losses_are_held_to_fp32s_tolerance_and_bf16_to_bf16s():
+    """A ZeRO-2 trial 1% off DDP is a broken run in fp32 (5x the tolerance) and within
+    bf16's rounding: the fast, wrong trial must not win an fp32 tune."""
+    ddp = _trial("ddp", 4, 1.0)  # losses 2.0, 1.9, 1.8
+    one_percent_off = _trial("zero2", 4, 0.5, losses=[2.0, 1.9, 1.8 * 1.01])
+    for precision in ("no", "fp32"):  # accelerate's name for fp32, and dpkit's
+        decision = decide([ddp, one_percent_off], "ddp-mb4x1", None, precision, 0.02)
+        assert decision.loss_rtol == FP32_LOSS_RTOL
+        assert decision.winner.name == "ddp-mb4x1", precision
+        verdict = decision.verdicts["zero2-mb4x1"]
+        assert verdict.loss_deviation == pytest.approx(0.01)
+        assert (verdict.agrees, verdict.eligible) == (False, False)
+        assert verdict.why_not == "losses differ from ddp-mb4x1 by 1.00e-02 (tolerance 0.002)"
+    decision = decide([ddp, one_percent_off], "ddp-mb4x1", None, "bf16", 0.02)
+    assert decision.loss_rtol == BF16_LOSS_RTOL
+    assert decision.winner.name == "zero2-mb4x1"
+    assert decision.verdicts["zero2-mb4x1"].agrees is True
+    assert decision.speedup == 2.0
+    # "Within" the tolerance: 2^-6 itself (exact in binary) agrees in bf16.
+    one = _trial("ddp", 4, 1.0, losses=[1.0])
+    edge = _trial("zero2", 4, 0.5, losses=[1.0 + 2.0**-6])
+    verdict = decide([one, edge], "ddp-mb4x1", None, "bf16", 0.02).verdicts["zero2-mb4x1"]
+    assert verdict.loss_deviation == 2.0**-6 and verdict.agrees is True
+    # Each tolerance's edge: 0.75x of it agrees, 1.5x does not.
+    for precision, rtol in (("no", FP32_LOSS_RTOL), ("bf16", BF16_LOSS_RTOL)):
+        for share, agrees in ((0.75, True), (1.5, False)):
+            trial = _trial("zero2", 4, 0.5, losses=[2.0, 1.9 * (1 + share * rtol), 1.8])
+            verdict = decide([ddp, trial], "ddp-mb4x1", None, precision, 0.02).verdicts
+            assert verdict["zero2-mb4x1"].agrees is agrees, (precision, share)
+
+
 def test_losses_that_disagree_with_ddp_make_a_candidate_ineligible():
     trials = [
         _trial("ddp", 4, 1.0),
@@ -189,6 +375,94 @@ def test_losses_that_disagree_with_ddp_make_a_candidate_ineligible():
     assert verdict.agrees is False and verdict.loss_reference == "ddp-mb4x1"
     assert "losses differ from ddp-mb4x1" in verdict.why_not
     assert decision.verdicts["zero1-mb4x1"].why_not == "failed: exit code 1"
+
+
+def test_a_verdict_says_why_a_trial_is_out_budget_first():
+    mib = 2**20
+    trials = [
+        _trial("ddp", 4, 0.3, memory=300 * mib),
+        # Over the budget and off DDP's losses: the budget is named.
+        _trial("zero1", 4, 0.1, memory=250 * mib, losses=[2.0, 1.9, 1.5]),
+        _trial("zero2", 4, 0.2, memory=200 * mib),  # exactly the budget: fits
+        Trial(space.Candidate("fsdp2_full_shard", 4, 1), status=FAILED),
+        Trial(space.Candidate("fsdp2_shard_grad_op", 4, 1), status="pruned", reason="too big"),
+    ]
+    decision = decide(trials, "ddp-mb4x1", 200 * mib, "no", 0.02)
+    verdicts = {name: v.as_dict() for name, v in decision.verdicts.items()}
+    assert verdicts["ddp-mb4x1"] == {
+        "fits": False,
+        "loss_reference": "ddp-mb4x1",
+        "loss_deviation": 0.0,
+        "agrees": True,
+        "eligible": False,
+        "why_not": "measured 300.0 MiB per rank, over the budget",
+    }
+    assert verdicts["zero1-mb4x1"]["why_not"] == "measured 250.0 MiB per rank, over the budget"
+    assert verdicts["zero1-mb4x1"]["agrees"] is False
+    assert verdicts["zero2-mb4x1"]["fits"] is True and verdicts["zero2-mb4x1"]["eligible"]
+    assert verdicts["fsdp2_full_shard-mb4x1"] == {
+        "fits": None,
+        "loss_reference": None,
+        "loss_deviation": None,
+        "agrees": None,
+        "eligible": False,
+        "why_not": "failed",
+    }
+    assert verdicts["fsdp2_shard_grad_op-mb4x1"]["why_not"] == "pruned: too big"
+    assert decision.winner.name == "zero2-mb4x1"
+    assert decision.speedup is None  # the current configuration does not fit
+    assert decision.baseline.name == "ddp-mb4x1"
+    # Nothing eligible: no winner, and why.
+    decision = decide(trials, "ddp-mb4x1", 100 * mib, "no", 0.02)
+    assert (decision.winner, decision.speedup, decision.tie) == (None, None, [])
+    assert decision.reason == "no candidate ran, fits and agrees"
+    assert decision.baseline.name == "ddp-mb4x1" and decision.loss_rtol == 2e-3
+    assert decision.verdicts["zero2-mb4x1"].why_not == (
+        "measured 200.0 MiB per rank, over the budget"
+    )
+    # The current configuration failed: no baseline at all.
+    assert decide(trials, "fsdp2_full_shard-mb4x1", None, "no", 0.02).baseline is None
+
+
+def test_losses_are_compared_relative_to_ddps_whatever_their_size():
+    """Relative to DDP's loss, also below 1 (0.25: 1e-3 off is 0.4%) and at 0, and a
+    trial that logged no loss is not taken to agree."""
+    ddp = _trial("ddp", 4, 1.0, losses=[0.5, 0.25])
+    small = _trial("zero2", 4, 0.5, losses=[0.5, 0.251])
+    found = decide([ddp, small], "ddp-mb4x1", None, "no", 0.02).verdicts["zero2-mb4x1"]
+    assert found.loss_deviation == pytest.approx(0.001 / 0.25)
+    assert found.agrees is False
+    zero = _trial("ddp", 4, 1.0, losses=[0.0])
+    near = _trial("zero2", 4, 0.5, losses=[1e-9])
+    found = decide([zero, near], "ddp-mb4x1", None, "no", 0.02).verdicts["zero2-mb4x1"]
+    assert found.loss_deviation > 100 and found.agrees is False  # relative to 0: unbounded
+    silent = Trial(
+        space.Candidate("zero2", 4, 1), status=OK, figures={"median_step_time_s": 0.5, "losses": []}
+    )
+    found = decide([ddp, silent], "ddp-mb4x1", None, "no", 0.02).verdicts["zero2-mb4x1"]
+    assert found.loss_deviation == float("inf") and found.agrees is False
+    assert found.why_not == "losses differ from ddp-mb4x1 by inf (tolerance 0.002)"
+    # Only the steps both logged are compared (a shorter reference: its steps).
+    longer = _trial("zero2", 4, 0.5, losses=[0.5, 0.25, 9.0])
+    found = decide([ddp, longer], "ddp-mb4x1", None, "no", 0.02).verdicts["zero2-mb4x1"]
+    assert found.loss_deviation == 0.0 and found.agrees is True
+
+
+def test_without_ddp_at_the_same_micro_batch_the_nearest_is_the_reference():
+    ddp = [_trial("ddp", 4, 1.0), _trial("ddp", 1, 1.0)]
+    three = _trial("zero2", 3, 0.5)  # |4 - 3| = 1 against |1 - 3| = 2
+    verdicts = decide([*ddp, three], "ddp-mb4x1", None, "no", 0.02).verdicts
+    assert verdicts["zero2-mb3x1"].loss_reference == "ddp-mb4x1"
+    two = _trial("zero2", 2, 0.5)
+    assert decide([ddp[1], two], "x", None, "no", 0.02).verdicts["zero2-mb2x2"].loss_reference == (
+        "ddp-mb1x4"
+    )
+    # No DDP trial ran: nothing to compare with, the losses are not held against it.
+    alone = decide([two], "x", None, "no", 0.02)
+    assert alone.verdicts["zero2-mb2x2"].agrees is None and alone.winner.name == "zero2-mb2x2"
+    # A failed DDP trial is no reference.
+    failed = Trial(space.Candidate("ddp", 2, 2), status=FAILED, reason="exit code 1")
+    assert decide([failed, two], "x", None, "no", 0.02).verdicts["zero2-mb2x2"].agrees is None
 
 
 @pytest.mark.parametrize(
@@ -375,6 +649,56 @@ def test_the_plan_predicts_fsdp2_with_padded_shards_as_dpkit_plan_does():
         assert plan.predict(space.Candidate(name, 2, 2)) == rows[name].total
 
 
+def _lm_settings(size: str, device: str = "cpu") -> TuneSettings:
+    from dataclasses import replace
+
+    workload = {"LMWorkload": {"size": size, "synthetic": True, "seq_len": 32}}
+    return replace(_settings(), device=device, plan_model=workload)
+
+
+def test_the_plan_predicts_each_candidate_with_its_own_settings():
+    """The candidate's micro-batch, accumulation and ZeRO keys, and CUDA's settings on a
+    CUDA machine, reach the prediction; on a GPU it is ``dpkit plan``'s own row."""
+    import copy
+    from dataclasses import replace
+
+    from dpkit.plan.inputs import PlanInputs
+    from dpkit.plan.recommend import make_plan
+
+    # The tiny GPT-2 (its 2^21-element embedding fits dpkit's 2^21 bucket, so contiguous
+    # gradients stay on): ZeRO-2's buffer is one fp32 flat bucket, 4 B x 2^21 (x 2^23 with
+    # that bucket); on CUDA overlap_comm adds a second (docs/memory.md, overlap_comm).
+    tiny = space.MemoryPlan(_lm_settings("tiny"))
+    assert tiny.estimate(space.Candidate("zero2", 4, 1)).buffers == 4 * 2**21
+    bucket = space.Candidate("zero2", 4, 1, (("reduce_bucket_size", 2**23),))
+    assert tiny.estimate(bucket).buffers == 4 * 2**23
+    tiny_cuda = copy.copy(tiny)
+    tiny_cuda.settings = replace(tiny.settings, device="cuda")
+    assert tiny_cuda.estimate(space.Candidate("zero2", 4, 1)).buffers == 2 * 4 * 2**21
+    # The small GPT-2: activations are per micro-batch (4 samples hold 4x one's), and under
+    # accumulation ZeRO-2 keeps the accumulated whole gradients beside the next backward
+    # (measured in tests/test_tune.py: 109.4 against 89.2 MiB).
+    small = space.MemoryPlan(_lm_settings("small"))
+    one, four = (small.estimate(space.Candidate("zero2", m, 4 // m)) for m in (1, 4))
+    assert four.activations == 4 * one.activations > 0
+    assert one.grads > 1.1 * four.grads
+    inputs = PlanInputs(
+        model=small.spec,
+        gpus_per_node=2,
+        gpu_memory=2**40,
+        precision="fp32",
+        micro_batch=1,
+        gradient_accumulation_steps=4,
+        seq_len=32,
+        reserve=0,
+        headroom=0.0,
+    )
+    rows = {row.strategy: row for row in make_plan(inputs).rows}
+    small.settings = replace(small.settings, device="cuda")  # dpkit plan plans for GPUs
+    for name in ("ddp", "zero1", "zero2"):
+        assert small.predict(space.Candidate(name, 1, 4)) == rows[name].total, name
+
+
 def _decision(trial: Trial):
     from dpkit.tune.decide import Decision
 
@@ -402,8 +726,6 @@ def test_an_fsdp2_winner_gets_its_yaml_and_no_deepspeed_json(tmp_path):
 
 
 def test_a_zero_winner_gets_the_json_it_ran_with(tmp_path):
-    import json
-
     import yaml
 
     from dpkit.tune import report
@@ -419,6 +741,96 @@ def test_a_zero_winner_gets_the_json_it_ran_with(tmp_path):
     assert json.loads((where / "ds_config.json").read_text()) == ran
     config = yaml.safe_load((where / "accelerate.yaml").read_text())
     assert config["deepspeed_config"]["deepspeed_config_file"] == str(where / "ds_config.json")
+
+
+def _tuned_json(settings: TuneSettings, candidate: space.Candidate) -> dict:
+    """The DeepSpeed JSON a trial of ``candidate`` is launched with: the one its accelerate
+    YAML (the launch command's --config_file) names."""
+    import yaml
+
+    from dpkit.tune import trials as tune_trials
+
+    cmd = tune_trials.phase(settings, candidate).cmd
+    config = yaml.safe_load(Path(cmd[cmd.index("--config_file") + 1]).read_text())
+    return json.loads(Path(config["deepspeed_config"]["deepspeed_config_file"]).read_text())
+
+
+# A second-round candidate: a quarter of dpkit's 2^21-element bucket, contiguous gradients off.
+TUNED = (("reduce_bucket_size", 2**19), ("contiguous_gradients", False))
+
+
+def test_the_tuners_zero_settings_win_over_the_jsons_auto_and_written_values(tmp_path, monkeypatch):
+    """The candidate's keys go over the template's, "auto" and written values alike; the
+    run fills only what is left "auto"; the winner's JSON is what the trial ran with.
+    Merged the other way, "auto" would stay and the run fill it with dpkit's 2^21 bucket:
+    a trial named bucket512K measured with another bucket, and a winner JSON to match."""
+    from dpkit import resources
+    from dpkit.train.deepspeed_config import fill_deepspeed_config
+    from dpkit.tune import report
+    from dpkit.tune.trials import trial_dir
+
+    settings = replace_output(_settings(), tmp_path)
+    candidate = space.Candidate("zero2", 2, 2, TUNED, round=2)
+    # dpkit's own zero2.json ("reduce_bucket_size": "auto", the rest left out).
+    assert _tuned_json(settings, candidate)["zero_optimization"] == {
+        "stage": 2,
+        "reduce_bucket_size": 2**19,
+        "allgather_bucket_size": 2**19,
+        "contiguous_gradients": False,
+        "reduce_scatter": True,
+    }
+    # A template with "auto" in one of the keys the tuner sets and written values in the
+    # others (and in one it leaves alone, which stays).
+    user = tmp_path / "user_zero2.json"
+    user.write_text(
+        '{"zero_optimization": {"stage": 2, "reduce_bucket_size": "auto", '
+        '"allgather_bucket_size": 500000000, "contiguous_gradients": true, '
+        '"overlap_comm": true}, "train_batch_size": "auto"}'
+    )
+    monkeypatch.setattr(resources, "deepspeed_config", lambda name: user)
+    tuned = _tuned_json(settings, candidate)
+    assert tuned["zero_optimization"] == {
+        "stage": 2,
+        "reduce_bucket_size": 2**19,
+        "allgather_bucket_size": 2**19,
+        "contiguous_gradients": False,
+        "overlap_comm": True,
+    }
+    # The run resolves what is left "auto" (dpkit's sizes for its model: 2^21 buckets) and
+    # writes the result as its ds_config.json; the winner's files carry that JSON.
+    dpkit_sizes = {
+        "reduce_bucket_size": 2**21,
+        "allgather_bucket_size": 2**21,
+        "contiguous_gradients": True,
+        "overlap_comm": False,
+        "round_robin_gradients": False,
+        "reduce_scatter": True,
+    }
+    resolved = fill_deepspeed_config(
+        tuned,
+        micro_batch_size=2,
+        gradient_accumulation_steps=2,
+        world_size=2,
+        max_grad_norm=1.0,
+        precision="no",
+        zero_settings=dpkit_sizes,
+    )
+    run_dir = trial_dir(settings, candidate) / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / "ds_config.json").write_text(json.dumps(resolved))
+    trial = Trial(candidate, status=OK, figures={"median_step_time_s": 0.05})
+    where = report.write_winner(settings, _decision(trial), tmp_path)
+    winner = json.loads((where / "ds_config.json").read_text())
+    assert winner["zero_optimization"] == {
+        "stage": 2,
+        "reduce_bucket_size": 2**19,
+        "allgather_bucket_size": 2**19,
+        "contiguous_gradients": False,
+        "overlap_comm": True,
+        "round_robin_gradients": False,
+        "reduce_scatter": True,
+    }
+    assert winner["train_batch_size"] == 8  # 2 x 2 accumulation x 2 processes
 
 
 def replace_output(settings: TuneSettings, out: Path) -> TuneSettings:

@@ -7,11 +7,14 @@ tests/test_memory_multiprocess.py; these pin the arithmetic it rests on.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dpkit.memory.zero_layout import (
     gradient_high_water,
     partition_group,
     stage1_contiguous_reduction,
+    stage2_contiguous_backward,
 )
 
 MIB = 2**20
@@ -191,3 +194,187 @@ def test_gpt2_on_8_gpus_holds_several_times_the_papers_gradient_share():
     # Ranks 0 and 1 lie inside the embedding: each holds it whole.
     wte = 50257 * 768
     assert all(2 * wte <= r.backward for r in ranks[:2])
+
+
+# --- DeepSpeed's reduction walked tensor by tensor, against the layout model ---------------------
+#
+# A second statement of what stage_1_and_2.py does with contiguous_gradients, written as a
+# walk over live tensors (each gradient alive or freed, the partition buffer allocated or
+# not) rather than as running counters: the layout model must give the same high-water on
+# any layout. The walks follow DeepSpeed's order: a gradient is copied into the
+# pre-allocated bucket and its own storage freed, unless it is larger than the bucket
+# (reduced alone, kept); a full bucket is reduced before the next gradient goes in; the
+# first reduction holding a gradient of this rank's partition allocates the buffer of its
+# whole touching parameters.
+
+
+def _touching(groups, n, rank):
+    """Per group, per parameter: does its interval meet ``rank``'s partition? (Partitions
+    of the group padded to a multiple of 2N.)"""
+    flags = []
+    for numels in groups:
+        size = -(-sum(numels) // (2 * n)) * 2
+        first, last = rank * size, (rank + 1) * size
+        offsets = [sum(numels[:i]) for i in range(len(numels))]
+        flags.append([o < last and o + k > first for o, k in zip(offsets, numels, strict=True)])
+    return flags
+
+
+def _walk_zero1(groups, n, rank, bucket_size):
+    """ZeRO-1 after backward: every full gradient alive, moved into the bucket in group order."""
+    flags = _touching(groups, n, rank)
+    params = [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))]
+    alive = {p: groups[p[0]][p[1]] for p in params}
+    buffer = sum(groups[g][i] for g, i in params if flags[g][i])
+    in_bucket: list = []
+    for g, i in params:
+        numel = groups[g][i]
+        if sum(groups[h][j] for h, j in in_bucket) + numel > bucket_size:
+            if any(flags[h][j] for h, j in in_bucket):
+                return sum(alive.values()) + buffer  # the buffer is allocated now
+            in_bucket = []
+        if numel <= bucket_size:
+            del alive[(g, i)]  # copied into the bucket
+        in_bucket.append((g, i))
+    touched = any(flags[h][j] for h, j in in_bucket)
+    return sum(alive.values()) + buffer if touched else 0
+
+
+def _walk_zero2(groups, n, rank, bucket_size, arrival):
+    """ZeRO-2 in backward: gradients arrive one by one; the largest holding is at a bucket's
+    reduction (with the arriving gradient alive) or at the epilogue's."""
+    flags = _touching(groups, n, rank)
+    buffer = sum(k for numels, f in zip(groups, flags, strict=True)
+                 for k, t in zip(numels, f, strict=True) if t)  # fmt: skip
+    allocated, peak = False, 0
+    in_bucket: list = []
+    kept: list = []  # larger than the bucket: alive until the next reduction
+    for g, i in arrival:
+        numel = groups[g][i]
+        if sum(groups[h][j] for h, j in in_bucket) + numel > bucket_size:
+            allocated = allocated or any(flags[h][j] for h, j in in_bucket)
+            held = (buffer if allocated else 0) + sum(groups[h][j] for h, j in kept) + numel
+            peak = max(peak, held)
+            in_bucket, kept = [], []
+        if numel > bucket_size:
+            kept = [(g, i)]
+        in_bucket.append((g, i))
+    allocated = allocated or any(flags[h][j] for h, j in in_bucket)
+    return max(peak, (buffer if allocated else 0) + sum(groups[h][j] for h, j in kept))
+
+
+_layouts = st.lists(
+    st.lists(st.integers(min_value=1, max_value=12), min_size=1, max_size=6),
+    min_size=1,
+    max_size=3,
+)
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=150)
+@given(groups=_layouts, n=st.integers(1, 4), bucket=st.integers(1, 16), data=st.data())
+def test_contiguous_reduction_matches_a_walk_over_live_tensors(groups, n, bucket, data):
+    params = [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))]
+    arrival = data.draw(st.permutations(params))
+    for rank in range(n):
+        assert stage1_contiguous_reduction(groups, n, rank, bucket) == _walk_zero1(
+            groups, n, rank, bucket
+        )
+        assert stage2_contiguous_backward(groups, n, rank, bucket, arrival) == _walk_zero2(
+            groups, n, rank, bucket, arrival
+        )
+
+
+def _step_by_hand(groups, n, rank, module_bytes):
+    """The step, group by group: the whole gradients of this group and the later ones, the
+    flat copy of the rank's partition (a view when one parameter holds it, but never on the
+    last rank), and its fp32 cast in mixed precision."""
+    flags = _touching(groups, n, rank)
+    whole = [
+        sum(k for k, t in zip(g, f, strict=True) if t) for g, f in zip(groups, flags, strict=True)
+    ]
+    worst = 0
+    for index, numels in enumerate(groups):
+        size = -(-sum(numels) // (2 * n)) * 2
+        copy = rank == n - 1 or sum(flags[index]) > 1
+        held = module_bytes * (sum(whole[index:]) + size * copy)
+        worst = max(worst, held + (4 * size if module_bytes == 2 else 0))
+    return worst
+
+
+@settings(derandomize=True, database=None, deadline=None, max_examples=100)
+@given(
+    groups=_layouts,
+    n=st.integers(1, 4),
+    bucket=st.integers(1, 16),
+    module_bytes=st.sampled_from([2, 4]),
+    contiguous=st.booleans(),
+    stage=st.sampled_from([1, 2]),
+)
+def test_high_water_per_rank_against_the_walks(groups, n, bucket, module_bytes, contiguous, stage):
+    """Per rank: the step as worked by :func:`_step_by_hand`; in backward ZeRO-1 holds every
+    gradient (and, contiguous, the walk's reduction), ZeRO-2 contiguous the walk's; the
+    high-water is the larger, its moment named, and the paper's share is the partitions."""
+    arrival = [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))][::-1]
+    rows = gradient_high_water(
+        groups, stage=stage, world_size=n, module_bytes=module_bytes,
+        reduce_bucket_size=bucket, contiguous_gradients=contiguous,
+    )  # fmt: skip
+    total = sum(map(sum, groups))
+    for rank, row in enumerate(rows):
+        assert row.rank == rank
+        assert row.step == _step_by_hand(groups, n, rank, module_bytes)
+        if stage == 1:
+            reduction = _walk_zero1(groups, n, rank, bucket) if contiguous else 0
+            assert row.backward == module_bytes * max(total, reduction)
+        elif contiguous:
+            assert row.backward == module_bytes * _walk_zero2(groups, n, rank, bucket, arrival)
+        assert row.bytes == max(row.backward, row.step)
+        assert row.moment.startswith("step" if row.step > row.backward else "")
+        sizes = [-(-sum(numels) // (2 * n)) * 2 for numels in groups]
+        assert row.partition_bytes == module_bytes * sum(sizes)
+
+
+def test_a_rank_outside_the_world_is_refused():
+    for world_size, rank in ((0, 0), (2, 2), (2, -1)):
+        with pytest.raises(ValueError) as err:
+            partition_group([4], world_size, rank)
+        assert str(err.value) == f"rank {rank} of world size {world_size}"
+    assert isinstance(partition_group([5], 2, 1).partition_numel, int)  # 5 pads to 8: 4
+
+
+def test_each_moment_is_named_where_it_happens():
+    """fp32, N=2, a 4-element bucket. [4, 4, 4, 4] (partitions of 8) under ZeRO-1: rank 0's
+    first reduction holds its buffer (8) beside the 12 elements not bucketed yet, more than
+    the 16 of the end of backward or its step (8 whole + 8 flat); rank 1's largest is every
+    gradient at the end of backward (16, its step as much, named second). [24], [3] under
+    ZeRO-2 with a 10-element bucket (tests/test_plan_check.py's Linear): the weight arrives
+    after the bias and reduces it, beside the buffer of 27: 51 elements, over the step's 39."""
+    common = dict(world_size=2, module_bytes=4, reduce_bucket_size=4, contiguous_gradients=True)
+    zero1 = gradient_high_water([[4, 4, 4, 4]], stage=1, **common)
+    assert (zero1[0].backward, zero1[0].step) == (4 * 20, 4 * 16)
+    assert zero1[0].moment == "reduction (partition buffer + gradients not reduced yet)"
+    assert (zero1[1].backward, zero1[1].step) == (4 * 16, 4 * 16)
+    assert zero1[1].moment == "end of backward (every full gradient)"
+    zero2 = gradient_high_water(
+        [[24], [3]], stage=2, world_size=2, module_bytes=4, reduce_bucket_size=10,
+        contiguous_gradients=True, arrival=[(1, 0), (0, 0)],
+    )  # fmt: skip
+    assert (zero2[0].backward, zero2[0].step) == (4 * 51, 4 * 27)
+    assert zero2[0].moment == "backward (partition buffer + gradients being reduced)"
+
+
+def test_a_parameter_exactly_the_bucket_is_not_reduced_alone():
+    """ZeRO-2 without contiguous buffers, N=2, [6, 2, 8] (partitions of 8): rank 0 touches
+    6 and 2. The 8 is as large as an 8-element bucket, not larger: it is bucketed like the
+    others and rank 0 does not hold it; with a 7-element bucket it is held unreduced."""
+    common = dict(stage=2, world_size=2, module_bytes=1, contiguous_gradients=False)
+    assert gradient_high_water([[6, 2, 8]], reduce_bucket_size=8, **common)[0].backward == 8
+    assert gradient_high_water([[6, 2, 8]], reduce_bucket_size=7, **common)[0].backward == 16
+
+
+def test_an_empty_group_holds_nothing():
+    rows = gradient_high_water(
+        [[]], stage=2, world_size=2, module_bytes=4, reduce_bucket_size=0,
+        contiguous_gradients=False,
+    )  # fmt: skip
+    assert [(r.backward, r.step, r.partition_bytes) for r in rows] == [(0, 0, 0), (0, 0, 0)]

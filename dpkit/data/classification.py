@@ -57,6 +57,8 @@ def load_classification_splits(
         try:
             raw = datasets.load_dataset(dataset)
         except Exception as err:  # the Hub or a local loader; its message says why
+            if "corresponds to no data" in str(err):  # a folder of files without rows
+                raise UsageError(f"--dataset={dataset!r}: has no examples") from None
             raise UsageError(
                 f"--dataset={dataset!r}: cannot load ({type(err).__name__}: {err})"
             ) from None
@@ -69,8 +71,8 @@ def load_classification_splits(
                 f"--{flag.replace('_', '-')}={column!r}: not a column of {dataset!r} "
                 f"(columns: {', '.join(first.column_names)})"
             )
-    if sum(len(split) for split in raw.values()) == 0:
-        raise UsageError(f"--dataset={dataset!r}: has no examples")
+    # No split is empty here: datasets refuses to load a split without rows (both
+    # branches above turn that into "has no examples").
 
     if text_column == label_column:
         raise UsageError(

@@ -119,7 +119,8 @@ def _read_config(config: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     if isinstance(config, Mapping):
         where = "<dict>"
         resolved = copy.deepcopy(dict(config))
-        check_ds_config_keys(resolved, where)
+        # The start of the message, as read_ds_config gives it for a file.
+        check_ds_config_keys(resolved, f"deepspeed config {where!r}")
         return resolved, where
     shipped = config in ("zero1", "zero2")
     path = str(resources.deepspeed_config(config)) if shipped else str(config)
@@ -322,18 +323,18 @@ def _calling_trainer(callback: TrainerCallback) -> Any | None:
     The callback API passes the unwrapped model and neither the Trainer nor its
     wrapped model; the DDP wrapper (whose reducer buckets are memory) and the callback
     list (the memory scalars must reach ``report_to`` before its loggers run) are the
-    Trainer's. Every event is called from a Trainer method, a few frames up.
+    Trainer's. Every event is called from a Trainer method, a few frames up; the whole
+    stack is searched (a frame holding neither costs a dict lookup), so that wrappers
+    around the events (a profiler, a subclass's own methods) do not hide it.
     """
     frame = inspect.currentframe()
     try:
-        for _ in range(16):
-            frame = frame.f_back if frame is not None else None
-            if frame is None:
-                return None
+        while frame is not None:
             owner = frame.f_locals.get("self")
             handler = getattr(owner, "callback_handler", None)
             if handler is not None and any(cb is callback for cb in handler.callbacks):
                 return owner
+            frame = frame.f_back
         return None
     finally:
         del frame

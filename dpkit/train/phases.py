@@ -161,12 +161,13 @@ def ddp_timing(model: Any) -> dict[str, float] | None:
         return None
     data = logging_data()
     if not data.get("avg_backward_comm_time"):
-        return None  # no iteration sampled yet
+        return None  # no iteration recorded yet (DDP records one when the next forward starts)
+    # DDP's logger sets the four averages together, in integer nanoseconds (c10d's logger).
     seconds = {
-        "forward_compute_s": data.get("avg_forward_compute_time", 0) / 1e9,
-        "backward_compute_s": data.get("avg_backward_compute_time", 0) / 1e9,
-        "backward_comm_s": data.get("avg_backward_comm_time", 0) / 1e9,
+        "forward_compute_s": data["avg_forward_compute_time"] / 1e9,
+        "backward_compute_s": data["avg_backward_compute_time"] / 1e9,
+        "backward_comm_s": data["avg_backward_comm_time"] / 1e9,
     }
-    overlap = data.get("avg_backward_compute_comm_overlap_time", 0) / 1e9
+    overlap = data["avg_backward_compute_comm_overlap_time"] / 1e9
     seconds["backward_comm_exposed_s"] = max(seconds["backward_comm_s"] - overlap, 0.0)
     return seconds

@@ -141,9 +141,10 @@ def resolve(
         )
     layer_override = args.fsdp_layer_class_names or fsdp_layer_classes_from_launcher(env)
     if layer_override and not strategy.uses_fsdp2:
-        source = "--fsdp-layer-classes" if args.fsdp_layer_class_names else "accelerate config"
+        # Only the flag gets here: an accelerate FSDP config always runs FSDP2 (or is refused).
         raise UsageError(
-            f"{source}={','.join(layer_override)}: FSDP2's; {strategy.name} shards no layers"
+            f"--fsdp-layer-classes={','.join(layer_override)}: FSDP2's; "
+            f"{strategy.name} shards no layers"
         )
     fsdp_layers: tuple[str, ...] = ()
     if strategy.uses_fsdp2 and _is_module(model):

@@ -1,0 +1,183 @@
+"""``make mutate``: mutation testing of the modules whose mistakes are silent, and its score.
+
+Runs ``mutmut run`` (the modules and test selection are ``[tool.mutmut]`` in
+pyproject.toml: fast tests only, ``-m "not multiprocess"``), then reads mutmut's
+results and prints, per module, how many mutants the tests killed. A surviving mutant
+is either a missing test or a change that cannot alter behaviour; the second kind is
+listed, with a one-line reason, in ``tests/mutation_equivalents.txt``, keyed by the
+function and the line before and after the change (not by mutmut's numbering, which
+moves whenever a function changes). The score is killed / (all - equivalent).
+
+Exit status: 0 when the score reaches ``--target`` (0.90) and every survivor is either
+killed or explained; 1 otherwise, with the unexplained survivors' diffs in
+``mutants/mutation-report.md``. ``--no-run`` reports on the last run only;
+``PATTERN ...`` (mutmut's mutant-name globs, e.g. ``'dpkit.tune.decide*'``) runs a part.
+
+Usage: python tests/mutation_report.py [--no-run] [--target 0.9] [PATTERN ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+EQUIVALENTS = REPO / "tests" / "mutation_equivalents.txt"
+REPORT = REPO / "mutants" / "mutation-report.md"
+# mutmut counts a timeout (the mutant looped) as detected, like a kill.
+KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    """mutmut's name: ``dpkit.tune.decide.x__deviation__mutmut_5``."""
+    path: str
+    status: str
+    function: str
+    """``Class.method`` or ``function``."""
+    removed: str
+    added: str
+    diff: str
+
+    @property
+    def key(self) -> tuple[str, str, str, str]:
+        return (self.path, self.function, self.removed, self.added)
+
+
+def _changed_lines(diff: str) -> tuple[str, str]:
+    """The removed and the added lines of a unified diff, each stripped, joined by ' / '."""
+    removed, added = [], []
+    for line in diff.splitlines():
+        if line.startswith(("---", "+++")):
+            continue
+        if line.startswith("-"):
+            removed.append(line[1:].strip())
+        elif line.startswith("+"):
+            added.append(line[1:].strip())
+    return " / ".join(removed), " / ".join(added)
+
+
+def read_results(with_diffs: bool = True) -> list[Mutant]:
+    """Every mutant of the last run, with its status (and, for survivors, its diff)."""
+    os.chdir(REPO)
+    from mutmut.mutation.data import SourceFileMutationData
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+    from mutmut.stats import status_by_exit_code
+    from mutmut.utils.file_utils import walk_mutatable_files
+    from mutmut.utils.format_utils import orig_function_and_class_names_from_key
+
+    mutants = []
+    for path in walk_mutatable_files():
+        data = SourceFileMutationData(path=path)
+        data.load()
+        for name, exit_code in data.exit_code_by_key.items():
+            status = status_by_exit_code[exit_code]
+            function, cls = orig_function_and_class_names_from_key(name)
+            function = f"{cls}.{function}" if cls else function
+            diff = removed = added = ""
+            if with_diffs and status not in KILLED and status != "not checked":
+                diff = get_diff_for_mutant(name, path=path)
+                removed, added = _changed_lines(diff)
+            mutants.append(Mutant(name, str(path), status, function, removed, added, diff))
+    return mutants
+
+
+def read_equivalents(path: Path = EQUIVALENTS) -> dict[tuple[str, str, str, str], str]:
+    """``path | function | line before | line after | why`` per line; ``#`` comments."""
+    entries = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = [part.strip() for part in line.split(" | ")]
+        if len(parts) != 5 or not parts[4]:
+            raise SystemExit(f"{path.name}:{number}: want 'path | function | before | after | why'")
+        entries[tuple(parts[:4])] = parts[4]
+    return entries
+
+
+def score(mutants: list[Mutant], equivalents: dict) -> dict:
+    """Per module and in all: killed, equivalent, surviving (unexplained), and the score."""
+    per_module: dict[str, Counter] = defaultdict(Counter)
+    unexplained = []
+    for mutant in mutants:
+        counts = per_module[mutant.path]
+        counts["total"] += 1
+        if mutant.status in KILLED:
+            counts["killed"] += 1
+        elif mutant.key in equivalents:
+            counts["equivalent"] += 1
+        else:
+            counts["surviving"] += 1
+            unexplained.append(mutant)
+    total = sum(per_module.values(), Counter())
+    return {"per_module": dict(per_module), "total": total, "unexplained": unexplained}
+
+
+def ratio(counts: Counter) -> float:
+    judged = counts["total"] - counts["equivalent"]
+    return counts["killed"] / judged if judged else 1.0
+
+
+def format_report(result: dict, stale: list) -> str:
+    lines = [
+        "| module | mutants | killed | equivalent | surviving | score |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    rows = sorted(result["per_module"].items()) + [("all", result["total"])]
+    for module, c in rows:
+        lines.append(
+            f"| {module} | {c['total']} | {c['killed']} | {c['equivalent']} | "
+            f"{c['surviving']} | {100 * ratio(c):.1f}% |"
+        )
+    for mutant in result["unexplained"]:
+        lines += ["", f"### {mutant.name} ({mutant.status})", "```diff", mutant.diff, "```"]
+    if stale:
+        lines += ["", "Entries of tests/mutation_equivalents.txt that match no mutant now:"]
+        lines += [f"- {' | '.join(key)}" for key in stale]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("patterns", nargs="*", help="mutant-name globs (default: all)")
+    parser.add_argument("--no-run", action="store_true", help="report on the last run")
+    parser.add_argument("--target", type=float, default=0.90)
+    args = parser.parse_args(argv)
+    if not args.no_run:
+        mutmut = Path(sys.executable).with_name("mutmut")
+        done = subprocess.run([str(mutmut), "run", *args.patterns], cwd=REPO)
+        if done.returncode not in (0, 1):
+            return done.returncode
+    mutants = read_results()
+    if args.patterns:
+        from fnmatch import fnmatch
+
+        mutants = [m for m in mutants if any(fnmatch(m.name, p) for p in args.patterns)]
+    unchecked = [m.name for m in mutants if m.status == "not checked"]
+    if unchecked:
+        print(f"{len(unchecked)} mutants not checked (mutmut stopped early: see its output)")
+        return 2
+    equivalents = read_equivalents()
+    result = score(mutants, equivalents)
+    present = {m.key for m in mutants}
+    stale = [key for key in equivalents if key not in present] if not args.patterns else []
+    text = format_report(result, stale)
+    REPORT.parent.mkdir(exist_ok=True)
+    REPORT.write_text(text + "\n")
+    print(text.split("\n\n###")[0])
+    total = result["total"]
+    print(
+        f"\nmutation score {100 * ratio(total):.1f}% (target {100 * args.target:.0f}%); "
+        f"{len(result['unexplained'])} unexplained survivors; report: {REPORT.relative_to(REPO)}"
+    )
+    return 0 if ratio(total) >= args.target and not result["unexplained"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""A tiny GPT-2 trained a few steps through dpkit's public API, or as a plain one-process
+fp32 reference: the runs behind tests/test_numerics.py (test-only, not shipped).
+
+    torchrun --nproc_per_node 2 tests/numerics_script.py --runs ddp:no,zero2:bf16 OUT
+    python tests/numerics_script.py --reference OUT
+
+Under dpkit the loop is a user's own accelerate loop, as the README shows it:
+``dpkit.setup``, ``run.shard_model``, ``run.make_optimizer``, ``accelerator.prepare``,
+``run.check``, then ``accumulate``/``backward``/clip/step. ``--runs`` lists
+``strategy:precision`` pairs, run one after the other in the same processes (start-up is
+most of a tiny run's cost): the process group stays up, accelerate's singletons are reset
+between runs. The reference shares nothing of that: one process, no dpkit, no accelerate,
+no DeepSpeed; torch's AdamW and ``clip_grad_norm_`` on the plain model, the global batch
+accumulated by hand. Both build the same model and data from the same seeds.
+
+Writes to OUT (a run: OUT/<strategy>-<precision>): ``losses.json`` (per optimizer step,
+the loss averaged over every micro-batch of the global batch; then the trained model's
+loss on the first global batch), a run's ``run_info.json`` (``run.check``'s record) and,
+from the first backward, ``grads-rank<r>.pt``: FSDP2, each rank's fp32 gradient shards
+(``{name: local tensor}``); the reference, the whole gradient after the micro-batches a
+2-rank run's first backward covers. FSDP2 in bf16 also writes
+``plain-bf16-grads-rank<r>.pt``: the rank's own unreduced gradient of the same
+micro-batch on a plain bf16 copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SEED = 0
+VOCAB = 67  # odd: the tied embedding's 67 rows shard 34 + 33 under FSDP2
+SEQ = 16
+MICRO = 4  # sequences per micro-batch
+ACCUMULATION = 2  # per rank, in the 2-rank runs
+RANKS = 2
+STEPS = 5
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+# The reference's gradient norms, steps 1-5: 0.75, 0.78, 1.65, 1.10, 1.20. Clipping at 1.0
+# scales the last three only, so the clipping path runs (DeepSpeed's own, DTensor norms
+# under FSDP2) and a gradient off by a constant factor, which Adam alone would hide,
+# changes which steps are clipped: measured, a gradient doubled or halved moves the
+# reference's losses by 1.1e-3 and 1.3e-3 relative.
+MAX_GRAD_NORM = 1.0
+
+
+def build_model() -> torch.nn.Module:
+    """Two GPT-2 blocks, width 30 (head size 15), no dropout; the same weights every call."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=30, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None,
+    )  # fmt: skip
+    torch.manual_seed(SEED)
+    return GPT2LMHeadModel(config)
+
+
+def token_rows() -> torch.Tensor:
+    """``STEPS * RANKS * ACCUMULATION`` micro-batches of learnable sequences: each counts
+    up from a random token by a random stride of 1-3, modulo the vocabulary."""
+    generator = torch.Generator().manual_seed(SEED + 1)
+    rows = STEPS * RANKS * ACCUMULATION * MICRO
+    start = torch.randint(0, VOCAB, (rows, 1), generator=generator)
+    stride = torch.randint(1, 4, (rows, 1), generator=generator)
+    return (start + stride * torch.arange(SEQ)) % VOCAB
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return model(input_ids=ids, labels=ids).loss
+
+
+def reference(out: Path) -> None:
+    """One process, fp32, plain torch: each step accumulates the global batch's
+    ``RANKS * ACCUMULATION`` micro-batches, each loss divided by their count."""
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    micro_batches = token_rows().split(MICRO)
+    per_step = RANKS * ACCUMULATION
+    losses = []
+    model.train()
+    for step in range(STEPS):
+        step_losses = []
+        for k, ids in enumerate(micro_batches[step * per_step : (step + 1) * per_step]):
+            loss = _loss(model, ids)
+            (loss / per_step).backward()
+            step_losses.append(loss.item())
+            if step == 0 and k == RANKS - 1:  # what a 2-rank run's first backward reduces
+                grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+                torch.save(grads, out / "grads-rank0.pt")
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(sum(step_losses) / len(step_losses))
+    model.eval()
+    with torch.no_grad():
+        first = micro_batches[:per_step]
+        final = sum(_loss(model, ids).item() for ids in first) / len(first)
+    (out / "losses.json").write_text(json.dumps({"train": losses, "final": final}))
+
+
+def plain_bf16_gradient(ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This rank's own gradient of its first micro-batch, unreduced: a plain bf16 copy of
+    the initial model (no FSDP, no accelerate) under torch's bf16 autocast, the loss divided
+    by ``ACCUMULATION`` as ``accelerator.backward`` divides it; the bf16 gradients as fp32."""
+    model = build_model().to(torch.bfloat16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = _loss(model, ids)
+    (loss / ACCUMULATION).backward()
+    return {n: p.grad.float() for n, p in model.named_parameters()}
+
+
+def with_dpkit(out: Path, strategy: str, precision: str) -> Any:
+    """A user's accelerate loop on dpkit, ``ACCUMULATION`` micro-batches per rank per step;
+    returns the Accelerator (its process group still up)."""
+    from torch.utils.data import DataLoader
+
+    import dpkit
+
+    model = build_model()
+    args = dpkit.StrategyConfig(strategy=strategy, mixed_precision=precision)
+    run = dpkit.setup(
+        args,
+        model=model,
+        micro_batch_size=MICRO,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_grad_norm=MAX_GRAD_NORM,
+        learning_rate=LR,
+    )
+    accelerator = run.accelerator
+    # accelerate hands micro-batch i to rank i % N: a step's micro-batches over both ranks
+    # are the reference's step's.
+    loader = DataLoader(list(token_rows()), batch_size=MICRO)
+    model = run.shard_model(model)
+    optimizer = run.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    info = run.check(model, optimizer)
+    assert (info.world_size, info.precision) == (RANKS, precision), info
+    rank = accelerator.process_index
+    losses, step_losses, first_backward = [], [], True
+    model.train()
+    for ids in loader:
+        with accelerator.accumulate(model):
+            loss = _loss(model, ids)
+            accelerator.backward(loss)
+            if first_backward and strategy.startswith("fsdp2"):
+                # Every gradient is a DTensor shard (to_local fails on anything else).
+                shards = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
+                torch.save(shards, out / f"grads-rank{rank}.pt")
+                if precision == "bf16":
+                    torch.save(plain_bf16_gradient(ids), out / f"plain-bf16-grads-rank{rank}.pt")
+            first_backward = False
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+            optimizer.step()
+            optimizer.zero_grad()
+        step_losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
+        if accelerator.sync_gradients:
+            losses.append(sum(step_losses) / len(step_losses))
+            step_losses = []
+    model.eval()
+    with torch.no_grad():
+        first = token_rows().split(MICRO)[: RANKS * ACCUMULATION]
+        final = sum(_loss(model, ids).item() for ids in first) / len(first)
+    if accelerator.is_main_process:
+        (out / "losses.json").write_text(json.dumps({"train": losses, "final": final}))
+        (out / "run_info.json").write_text(json.dumps(info.as_dict()))
+    accelerator.wait_for_everyone()
+    return accelerator
+
+
+def _fresh_accelerate_state() -> None:
+    """Forget the finished run's Accelerator (its strategy, precision and accumulation are
+    singletons in accelerate); the process group stays up for the next run."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def main(argv: list[str]) -> None:
+    out = Path(argv[-1])
+    out.mkdir(parents=True, exist_ok=True)
+    if "--reference" in argv:
+        reference(out)
+        return
+    runs = [pair.split(":") for pair in argv[argv.index("--runs") + 1].split(",")]
+    for index, (strategy, precision) in enumerate(runs):
+        environ = dict(os.environ)  # what dpkit and accelerate set for this run goes after it
+        folder = out / f"{strategy}-{precision}"
+        folder.mkdir(exist_ok=True)
+        accelerator = with_dpkit(folder, strategy, precision)
+        if index == len(runs) - 1:
+            accelerator.end_training()  # destroys the process group
+            break
+        # Not end_training between runs: a process group destroyed and formed again on the
+        # same rendezvous port hung, or failed with "Connection refused" (measured).
+        _fresh_accelerate_state()
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,363 @@
+"""``dpkit plan --against RUN_DIR`` in process, on run folders written by hand.
+
+The multi-process modules check the plan against real runs; these pin what ``--against``
+reads and how: which recipe's section names the model, the run's own DeepSpeed settings
+and accumulation, accelerate's name for fp32, offload on a GPU, the largest rank per
+category, the refusals, and the table and JSON it prints. Every expected figure is worked
+out by hand from torch's count of the model (a Linear(8, 3): a 24-element weight and a
+3-element bias) or from the report written here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dpkit.errors import UsageError
+from dpkit.plan import inputs as plan_inputs
+from dpkit.plan.check import PlanCheck, check_dict, check_run, format_check
+
+MIB = 2**20
+
+
+def _linear_record(**extra) -> dict:
+    """A Trainer run's record of its live model: one Linear(8, 3), no transformers config."""
+    import torch
+
+    model = torch.nn.Linear(8, 3)
+    assert sum(p.numel() for p in model.parameters()) == 27  # torch's count
+    record = plan_inputs.spec_record(plan_inputs.spec_from_model("linear", "live model", model))
+    return record | extra
+
+
+def _ranks(*rows: dict) -> list[dict]:
+    """Report rows: the categories given, model_state_total their sum unless given."""
+    out = []
+    for rank, row in enumerate(rows):
+        full = {"params": 0.0, "grads": 0.0, "optimizer": 0.0, "master": 0.0, **row}
+        total = sum(full[c] for c in ("params", "grads", "optimizer", "master"))
+        out.append({"rank": rank, "model_state_total": total, **full})
+    return out
+
+
+def _write(run_dir: Path, report: dict, **others: dict) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "memory_report.json").write_text(json.dumps(report))
+    for name, data in others.items():
+        (run_dir / f"{name}.json").write_text(json.dumps(data))
+    return run_dir
+
+
+def _trainer_report(strategy="zero2", precision="fp32", settings=None, record=None, **extra):
+    return {
+        "strategy": strategy,
+        "world_size": 2,
+        "precision": precision,
+        "optimizer": "adamw",
+        "device": "cpu",
+        "model": record or _linear_record(micro_batch_size=4),
+        "ranks": _ranks({"params": 1.0}, {"params": 1.0}),
+        "settings": settings or {},
+    } | extra
+
+
+# --- ZeRO-2's gradient layout follows the run's own settings -----------------------------------
+#
+# Linear(8, 3) as the recipes' AdamW groups: [weight 24], [bias 3]; N=2, fp32. Group 0 pads
+# to 24 (a multiple of 2N): partitions of 12, the weight touches both ranks. Group 1 pads 3
+# to 4: partitions of 2, the bias touches both. Each rank holds 27 whole gradients.
+# * Step (rank 1, the last rank, whose flatten pads: a copy): 27 + the flat 12 = 39
+#   elements, 156 B. Rank 0's partitions lie inside one tensor each: views, 27 (108 B).
+# * Contiguous gradients with a 10-element bucket: backward yields the bias (3), then the
+#   weight (24) overflows the bucket, so the bucket holding the bias is reduced while the
+#   weight's gradient is alive: the partition buffer (27) + the weight (24) = 51, 204 B, on
+#   both ranks (rank 0 named: the first of equals).
+# * Without contiguous gradients, 2 micro-batches a step: the accumulated whole gradients
+#   (27) beside a later backward's own (27): 54, 216 B.
+
+
+@pytest.mark.parametrize(
+    ("settings", "accumulation", "grads", "where"),
+    [
+        ({}, 1, 156, "rank 1, step, group 0 (flat copy of the partition)"),
+        ({"zero.reduce_bucket_size": 10}, 1, 204,
+         "rank 0, backward (partition buffer + gradients being reduced)"),
+        ({"zero.reduce_bucket_size": 10, "zero.contiguous_gradients": False}, 1, 156,
+         "rank 1, step, group 0 (flat copy of the partition)"),
+        ({"zero.reduce_bucket_size": 10, "zero.contiguous_gradients": False}, 2, 216,
+         "rank 0, backward of a later micro-batch (accumulated whole gradients + its own)"),
+        # Keys of other engines, and DDP's bucket view, change no DeepSpeed layout.
+        ({"ddp.gradient_as_bucket_view": False, "reduce_bucket_size": 10}, 1, 156,
+         "rank 1, step, group 0 (flat copy of the partition)"),
+    ],
+)  # fmt: skip
+def test_zero2_gradients_are_laid_out_with_the_runs_settings(
+    tmp_path, settings, accumulation, grads, where
+):
+    record = _linear_record(micro_batch_size=4, gradient_accumulation_steps=accumulation)
+    check = check_run(_write(tmp_path, _trainer_report(settings=settings, record=record)))
+    assert check.predicted == {
+        "params": 4 * 27, "grads": grads, "optimizer": 8 * 27 / 2, "master": 4 * 27 / 2,
+        "total": 4 * 27 + grads + 8 * 27 / 2 + 4 * 27 / 2,
+    }  # fmt: skip
+    assert check.grads_where == where
+    assert check.grads_paper == 4 * 27 / 2
+
+
+def test_zero1_bf16_holds_the_16_bit_gradients_and_the_fp32_cast(tmp_path):
+    """bf16 ZeRO-1, the same layout in 2-byte gradients: every full gradient (27 x 2 B) in
+    backward; at the step rank 1 holds 27 whole + the flat 12 (2 B) + its fp32 cast (12 x
+    4 B) = 126 B. The module is bf16 (2 x 27), master and moments fp32, sharded."""
+    report = _trainer_report(strategy="zero1", precision="bf16")
+    check = check_run(_write(tmp_path, report))
+    assert check.predicted == {
+        "params": 2 * 27, "grads": 2 * 39 + 4 * 12, "optimizer": 8 * 27 / 2,
+        "master": 4 * 27 / 2, "total": 54 + 126 + 108 + 54,
+    }  # fmt: skip
+    assert check.grads_paper == 2 * 27 and check.precision == "bf16"
+
+
+@pytest.mark.parametrize(("device", "offloaded"), [("cuda:0", True), ("cpu", False)])
+def test_offload_is_planned_off_the_gpu_only_on_a_gpu(tmp_path, device, offloaded):
+    """An offloaded ZeRO-2 run on a GPU keeps AdamW's moments and the master in host memory:
+    the GPU holds the bf16 module and the paper's 16-bit gradient partition (2 x 27 / 2 B;
+    offload builds the fp32 copy in host memory, so no layout is laid out on the GPU). On
+    the CPU host memory is the device's: planned, and measured, as ZeRO-2."""
+    report = _trainer_report(precision="bf16", device=device, offload_optimizer=True)
+    check = check_run(_write(tmp_path, report))
+    if offloaded:
+        assert check.predicted == {
+            "params": 54, "grads": 27, "optimizer": 0, "master": 0, "total": 81,
+        }  # fmt: skip
+    else:
+        assert (check.predicted["optimizer"], check.predicted["master"]) == (108, 54)
+    assert check.strategy == "zero2"  # the report's name, as it was run
+
+
+def test_measured_is_the_largest_rank_per_category_and_the_error_is_against_it(tmp_path):
+    report = _trainer_report(strategy="ddp", device="cuda:0")
+    # DDP fp32, Linear(8, 3) by hand: 108 B of parameters and of gradients, 216 of moments.
+    report["ranks"] = _ranks(
+        {"params": 108, "grads": 120, "optimizer": 200, "master": 0},
+        {"params": 100, "grads": 135, "optimizer": 216, "master": 0},
+    )
+    report["ranks"][0]["model_state_total"] = 470  # the report's own sum, read as written
+    check = check_run(_write(tmp_path, report))
+    assert check.predicted == {"params": 108, "grads": 108, "optimizer": 216, "master": 0,
+                               "total": 432}  # fmt: skip
+    assert check.measured == {"params": 108, "grads": 135, "optimizer": 216, "master": 0,
+                              "total": 470}  # fmt: skip
+    assert check.error_pct == {
+        "params": 0.0, "grads": 100 * (108 - 135) / 135, "optimizer": 0.0, "master": None,
+        "total": 100 * (432 - 470) / 470,
+    }  # fmt: skip
+    assert (check.grads_where, check.grads_paper, check.world_size) == ("", 108, 2)
+
+
+@pytest.mark.parametrize(("written", "read"), [("no", "fp32"), ("fp16", "fp16")])
+def test_accelerates_name_for_fp32_is_read_as_fp32(tmp_path, written, read):
+    check = check_run(_write(tmp_path, _trainer_report(strategy="ddp", precision=written)))
+    assert check.precision == read
+    assert check.predicted["params"] == 4 * 27  # DDP keeps fp32 parameters either way
+
+
+def test_a_trainer_record_plans_at_most_128_tokens_within_the_models_positions(tmp_path):
+    """Model states do not depend on the sequence length; the plan still checks it against
+    the model's positions, so a record of a 64-position model must plan at 64, not 128."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=40, n_positions=64)
+    spec = plan_inputs.spec_from_model("gpt2-64", "live model", GPT2LMHeadModel(config))
+    record = plan_inputs.spec_record(spec)  # no micro_batch_size: one
+    check = check_run(_write(tmp_path, _trainer_report(strategy="ddp", record=record)))
+    # wte 40x16, wpe 64x16, one block (12 x 16^2 + 13 x 16), ln_f 2 x 16.
+    psi = 640 + 1024 + 12 * 256 + 13 * 16 + 32
+    assert check.predicted["params"] == 4 * psi and check.model == "gpt2-64"
+
+
+# --- the recipes' own run folders -------------------------------------------------------------
+
+
+def _tiny_bert_folder(path: Path) -> tuple[Path, int]:
+    """A BERT config folder, and torch's count of its 2-label classifier."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    config = BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        vocab_size=50, max_position_embeddings=40, num_labels=2,
+    )  # fmt: skip
+    config.save_pretrained(path)
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(config)
+    return path, sum(p.numel() for p in model.parameters())
+
+
+def _recipe_report(strategy: str, precision: str = "fp32") -> dict:
+    return {
+        "strategy": strategy, "world_size": 4, "precision": precision, "optimizer": "sgd",
+        "device": "cpu", "ranks": _ranks({"params": 1.0}),
+    }  # fmt: skip
+
+
+def test_a_finetune_run_names_its_model_in_its_model_config(tmp_path):
+    folder, psi = _tiny_bert_folder(tmp_path / "bert")
+    config = {
+        "ModelConfig": {"model": str(folder), "max_seq_length": 32},
+        "TrainConfig": {"micro_batch_size": 3},
+    }
+    run_dir = _write(tmp_path / "run", _recipe_report("ddp"), run_config=config)
+    check = check_run(run_dir)
+    assert check.model == str(folder)
+    # fp32 DDP, plain SGD (no state): parameters and gradients, 4 bytes each.
+    assert check.predicted == {
+        "params": 4 * psi, "grads": 4 * psi, "optimizer": 0, "master": 0, "total": 8 * psi,
+    }  # fmt: skip
+
+
+def test_a_train_lm_run_names_its_size_or_its_config(tmp_path):
+    """The LM recipe's section: the named size (tiny: 4 blocks of 256, 8192 tokens, 128
+    positions) or a config file. ZeRO-1 bf16 SGD at N=4: the bf16 module (2 bytes) and the
+    fp32 master (4 / N), no optimizer state."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    shape = {"n_layer": 4, "n_embd": 256, "n_head": 4, "vocab_size": 8192, "n_positions": 128}
+    with torch.device("meta"):
+        tiny = GPT2LMHeadModel(GPT2Config(**shape))
+    psi = sum(p.numel() for p in tiny.parameters())  # the tied head once
+    workload = {"size": "tiny", "synthetic": True, "seq_len": 64, "micro_batch_size": 2,
+                "not_a_field": 1}  # fmt: skip
+    run_dir = _write(tmp_path / "a", _recipe_report("zero1", "bf16"), run_config={
+        "LMWorkload": workload})  # fmt: skip
+    check = check_run(run_dir)
+    assert check.model == "train_lm --size tiny"
+    assert (check.predicted["params"], check.predicted["optimizer"]) == (2 * psi, 0)
+    assert check.predicted["master"] == 4 * psi / 4
+    config_file = tmp_path / "lm" / "config.json"
+    GPT2Config(**(shape | {"n_layer": 1})).save_pretrained(config_file.parent)
+    workload |= {"model_config": str(config_file)}
+    run_dir = _write(tmp_path / "b", _recipe_report("ddp"), run_config={"LMWorkload": workload})
+    check = check_run(run_dir)
+    assert check.model == str(config_file)
+    one_block = 12 * 256**2 + 13 * 256
+    assert check.predicted["params"] == 4 * (psi - 3 * one_block)
+
+
+def test_accumulation_comes_from_the_runs_info_or_the_trainers_record(tmp_path):
+    """ZeRO-2 without contiguous gradients at 2 micro-batches a step holds the accumulated
+    whole gradients beside a later backward. A recipe's run_info.json says how many; at one
+    rank every gradient is whole: Psi, twice over at 2 micro-batches (8 Psi bytes), and at
+    one the step's flat copy of the padded decay group beside them. A Trainer's record
+    says it itself, and its folder's run_info.json is not read."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, BertConfig
+
+    folder, psi = _tiny_bert_folder(tmp_path / "bert")
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(BertConfig.from_pretrained(folder))
+    decay = sum(p.numel() for p in model.parameters() if p.ndim >= 2)
+    config = {
+        "ModelConfig": {"model": str(folder), "max_seq_length": 32},
+        "TrainConfig": {"micro_batch_size": 3},
+    }
+    report = _recipe_report("zero2") | {"world_size": 1, "optimizer": "adamw"}
+    report["settings"] = {"zero.reduce_bucket_size": 10**6, "zero.contiguous_gradients": False}
+    one = check_run(_write(tmp_path / "one", report, run_config=config))
+    assert one.predicted["grads"] == 4 * (psi + 2 * -(-decay // 2))
+    two = check_run(
+        _write(tmp_path / "two", report, run_config=config,
+               run_info={"gradient_accumulation_steps": 2})
+    )  # fmt: skip
+    assert two.predicted["grads"] == 8 * psi
+    trainer = _trainer_report(settings=report["settings"])  # its record: no accumulation
+    run_dir = _write(tmp_path / "t", trainer, run_info={"gradient_accumulation_steps": 2})
+    assert check_run(run_dir).predicted["grads"] == 156  # as at one micro-batch, above
+
+
+# --- refusals: one line naming the flag --------------------------------------------------------
+
+
+def test_refusals_name_what_is_missing_or_wrong(tmp_path):
+    with pytest.raises(UsageError) as err:
+        check_run(tmp_path / "nope")
+    assert str(err.value) == f"--against={str(tmp_path / 'nope')!r}: no such run folder"
+    with pytest.raises(UsageError) as err:
+        check_run(tmp_path)
+    assert str(err.value) == (
+        f"--against={str(tmp_path)!r}: no memory_report.json (written at the end of every run)"
+    )
+    (tmp_path / "memory_report.json").write_text("{")
+    with pytest.raises(UsageError) as err:
+        check_run(tmp_path)
+    assert str(err.value) == (
+        f"--against: {tmp_path / 'memory_report.json'} is not valid JSON "
+        "(Expecting property name enclosed in double quotes, line 1)"
+    )
+    _write(tmp_path, _recipe_report("ddp"))
+    with pytest.raises(UsageError) as err:
+        check_run(tmp_path)
+    assert str(err.value) == (
+        f"--against={str(tmp_path)!r}: no run_config.json (written at the start of every run)"
+    )
+    _write(tmp_path, _recipe_report("ddp"), run_config={"Other": {}})
+    with pytest.raises(UsageError) as err:
+        check_run(tmp_path)
+    assert str(err.value) == (
+        f"--against={str(tmp_path)!r}: run_config.json: not from recipes/finetune.py or "
+        "recipes/train_lm.py"
+    )
+    _write(tmp_path, _trainer_report(precision="fp8"))
+    with pytest.raises(UsageError) as err:
+        check_run(tmp_path)
+    assert str(err.value) == "--against: unknown precision 'fp8' in the report"
+
+
+# --- what it prints ------------------------------------------------------------------------------
+
+
+def _check(grads_where: str = "rank 1, step, group 0 (flat copy of the partition)") -> PlanCheck:
+    return PlanCheck(
+        run_dir=Path("runs/z2"), model="m", strategy="zero2", world_size=2, precision="bf16",
+        predicted={"params": 3 * MIB, "grads": 1.5 * MIB, "optimizer": 8 * MIB, "master": 0.0,
+                   "total": 12.5 * MIB},
+        measured={"params": 3 * MIB, "grads": 2 * MIB, "optimizer": 7.5 * MIB, "master": 0.0,
+                  "total": 12.5 * MIB},
+        grads_paper=0.5 * MIB + 0.4, grads_where=grads_where,
+    )  # fmt: skip
+
+
+def test_the_table_gives_mib_and_signed_errors_per_category():
+    assert format_check(_check()).splitlines() == [
+        "dpkit plan --against runs/z2",
+        "  m: zero2 on 2 ranks, bf16; model states per GPU (plan: its worst rank; measured: "
+        "the largest rank)",
+        "",
+        "MiB per GPU     predicted   measured    error",
+        "params                3.0        3.0    +0.0%",
+        "grads                 1.5        2.0   -25.0%",
+        "optimizer             8.0        7.5    +6.7%",
+        "master                0.0        0.0        -",
+        "total                12.5       12.5    +0.0%",
+        "",
+        "grads: rank 1, step, group 0 (flat copy of the partition); the ZeRO paper's figure "
+        "would be 0.5 MiB (see dpkit.memory.zero_layout)",
+    ]
+    assert format_check(_check(grads_where="")).splitlines()[-1].startswith("total ")
+
+
+def test_the_json_gives_whole_bytes():
+    assert check_dict(_check()) == {
+        "run_dir": "runs/z2", "model": "m", "strategy": "zero2", "world_size": 2,
+        "precision": "bf16",
+        "predicted_bytes": {"params": 3 * MIB, "grads": 3 * MIB // 2, "optimizer": 8 * MIB,
+                            "master": 0, "total": 25 * MIB // 2},
+        "measured_bytes": {"params": 3 * MIB, "grads": 2 * MIB, "optimizer": 15 * MIB // 2,
+                           "master": 0, "total": 25 * MIB // 2},
+        "error_pct": {"params": 0.0, "grads": -25.0, "optimizer": 100 / 15, "master": None,
+                      "total": 0.0},
+        "grads_paper_bytes": MIB // 2,
+        "grads_where": "rank 1, step, group 0 (flat copy of the partition)",
+    }  # fmt: skip

@@ -1,0 +1,434 @@
+"""What the launcher asked for, read from its environment as a plain dict: every launch form
+dpkit runs, every one it refuses (the whole line, as the user sees it), in process.
+
+The environments are what each launcher sets, written out (torchrun: WORLD_SIZE, RANK...;
+``accelerate launch``: ACCELERATE_* and FSDP_*; the deepspeed launcher: LOCAL_SIZE).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dpkit.errors import UsageError
+from dpkit.train.launch import (
+    check_accelerate_settings,
+    check_launcher,
+    fsdp_layer_classes_from_launcher,
+    resolve_precision,
+    resolve_strategy,
+)
+from tests.harness import REPO
+
+ZERO1 = str(REPO / "ds_configs" / "zero1.json")
+ZERO2 = str(REPO / "ds_configs" / "zero2.json")
+ACCELERATE_DDP = {"ACCELERATE_DYNAMO_BACKEND": "NO", "WORLD_SIZE": "2"}
+ACCELERATE_DS = {**ACCELERATE_DDP, "ACCELERATE_USE_DEEPSPEED": "true"}
+ACCELERATE_FSDP2 = {
+    **ACCELERATE_DDP,
+    "ACCELERATE_USE_FSDP": "true",
+    "FSDP_VERSION": "2",
+    "FSDP_RESHARD_AFTER_FORWARD": "true",
+}
+
+
+def refusal(call, *args, **kwargs) -> str:
+    """The one line a refused launch prints."""
+    with pytest.raises(UsageError) as err:
+        call(*args, **kwargs)
+    message = str(err.value)
+    assert "\n" not in message
+    return message
+
+
+def shipped(choice) -> tuple[str, ...]:
+    """Where the chosen DeepSpeed JSON lives, relative to the package."""
+    return Path(choice.ds_config_path).parts[-3:]
+
+
+# ---- which strategy, from where ------------------------------------------------------------
+
+
+def test_no_launcher_no_flag_is_ddp_on_one_process():
+    choice = resolve_strategy("auto", None, {})
+    assert (choice.strategy.name, choice.source) == ("ddp", "default (no DeepSpeed config)")
+    assert choice.expected_world_size == 1
+    assert (choice.ds_config_path, choice.ds_template) == (None, None)
+
+
+def test_ddp_by_the_flag_says_so():
+    choice = resolve_strategy("ddp", None, {"WORLD_SIZE": "3"})
+    assert (choice.strategy.name, choice.source, choice.expected_world_size) == (
+        "ddp",
+        "--strategy ddp",
+        3,
+    )
+
+
+@pytest.mark.parametrize("stage", ["1", "2"])
+def test_accelerate_deepspeed_without_a_file_runs_dpkits_json_for_its_stage(stage):
+    env = {
+        **ACCELERATE_DS,
+        "ACCELERATE_USE_DEEPSPEED": "TRUE",
+        "ACCELERATE_DEEPSPEED_ZERO_STAGE": stage,
+    }
+    choice = resolve_strategy("auto", None, env)
+    assert choice.strategy.name == f"zero{stage}"
+    assert choice.source == "accelerate launch (DeepSpeed)"
+    assert shipped(choice) == ("configs", "deepspeed", f"zero{stage}.json")
+    assert choice.ds_template["zero_optimization"]["stage"] == int(stage)
+    assert choice.expected_world_size == 2
+
+
+def test_accelerate_deepspeed_without_a_stage_is_zero2():
+    """accelerate's own default stage is 2; an empty config-file entry means none."""
+    env = {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ""}
+    choice = resolve_strategy("auto", None, env)
+    assert choice.strategy.name == "zero2"
+    assert shipped(choice) == ("configs", "deepspeed", "zero2.json")
+
+
+def test_accelerate_deepspeed_with_a_config_file_reads_it():
+    env = {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO1}
+    choice = resolve_strategy("zero1", None, env)
+    assert (choice.strategy.name, choice.ds_config_path) == ("zero1", ZERO1)
+    assert choice.source == "accelerate launch (DeepSpeed)"
+    assert choice.ds_template == json.loads(Path(ZERO1).read_text())
+
+
+def test_the_same_json_from_the_flag_and_the_launcher_runs_the_flags():
+    env = {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2}
+    choice = resolve_strategy("auto", ZERO2, env)
+    assert (choice.strategy.name, choice.ds_config_path) == ("zero2", ZERO2)
+    assert choice.source == f"--deepspeed {ZERO2}"
+
+
+@pytest.mark.parametrize("name", ["zero1", "zero2"])
+def test_a_zero_flag_under_torchrun_runs_dpkits_json(name):
+    choice = resolve_strategy(name, None, {"WORLD_SIZE": "4"})
+    assert (choice.strategy.name, choice.source) == (name, f"--strategy {name}")
+    assert shipped(choice) == ("configs", "deepspeed", f"{name}.json")
+    assert choice.ds_template == json.loads(Path(REPO / "ds_configs" / f"{name}.json").read_text())
+    assert choice.expected_world_size == 4
+
+
+def test_an_fsdp2_flag_runs_under_torchrun():
+    choice = resolve_strategy("fsdp2_full_shard", None, {"WORLD_SIZE": "2"})
+    assert (choice.strategy.name, choice.source) == (
+        "fsdp2_full_shard",
+        "--strategy fsdp2_full_shard",
+    )
+    assert (choice.ds_config_path, choice.ds_template) == (None, None)
+
+
+@pytest.mark.parametrize(
+    ("settings", "expected"),
+    [
+        ({}, "fsdp2_full_shard"),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "FULL_SHARD"}, "fsdp2_full_shard"),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "False"}, "fsdp2_shard_grad_op"),
+        ({"FSDP_RESHARD_AFTER_FORWARD": "shard_grad_op"}, "fsdp2_shard_grad_op"),
+        # accelerate writes these for a YAML that turns them off; dpkit needs them off.
+        (
+            {
+                "ACCELERATE_USE_FSDP": "True",
+                "FSDP_OFFLOAD_PARAMS": "False",
+                "FSDP_ACTIVATION_CHECKPOINTING": "false",
+                "FSDP_CPU_RAM_EFFICIENT_LOADING": "FALSE",
+                "FSDP_AUTO_WRAP_POLICY": "transformer_based_wrap",
+                "FSDP_IGNORED_MODULES": "",
+            },
+            "fsdp2_full_shard",
+        ),
+    ],
+)
+def test_an_accelerate_fsdp2_launch_picks_its_mode(settings, expected):
+    env = {k: v for k, v in ACCELERATE_FSDP2.items() if k != "FSDP_RESHARD_AFTER_FORWARD"}
+    choice = resolve_strategy("auto", None, {**env, **settings})
+    assert choice.strategy.name == expected
+    assert choice.source == f"accelerate launch (FSDP2, {expected})"
+    assert choice.expected_world_size == 2 and choice.ds_config_path is None
+    assert resolve_strategy(expected, None, {**env, **settings}).strategy.name == expected
+
+
+def test_the_layer_classes_an_fsdp_launch_names():
+    env = {**ACCELERATE_FSDP2, "FSDP_TRANSFORMER_CLS_TO_WRAP": " BertLayer, ,GPT2Block ,"}
+    assert fsdp_layer_classes_from_launcher(env) == ("BertLayer", "GPT2Block")
+    assert fsdp_layer_classes_from_launcher({**env, "ACCELERATE_USE_FSDP": "TRUE"}) == (
+        "BertLayer",
+        "GPT2Block",
+    )
+    assert fsdp_layer_classes_from_launcher(ACCELERATE_FSDP2) == ()
+    # Not an FSDP launch: whatever else the environment holds is not asked for.
+    not_fsdp = {**env, "ACCELERATE_USE_FSDP": "false"}
+    assert fsdp_layer_classes_from_launcher(not_fsdp) == ()
+
+
+# ---- refused launch forms: the whole line -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "deepspeed", "env", "message"),
+    [
+        pytest.param(
+            "auto", None, {**ACCELERATE_FSDP2, "FSDP_VERSION": "1"},
+            "accelerate config fsdp_version=1: dpkit runs FSDP2; set fsdp_version: 2 "
+            "(ds_configs/accelerate/fsdp2_full_shard.yaml)",
+            id="fsdp1",
+        ),
+        pytest.param(
+            "auto", None, {k: v for k, v in ACCELERATE_FSDP2.items() if k != "FSDP_VERSION"},
+            "accelerate config fsdp_version=1: dpkit runs FSDP2; set fsdp_version: 2 "
+            "(ds_configs/accelerate/fsdp2_full_shard.yaml)",
+            id="fsdp-version-unset-is-1",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_FSDP2, "FSDP_OFFLOAD_PARAMS": "True"},
+            "accelerate config fsdp_offload_params=true: dpkit's FSDP2 does not apply it",
+            id="offload",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
+            "accelerate config fsdp_cpu_ram_efficient_loading=true: dpkit's FSDP2 does not "
+            "apply it",
+            id="ram-efficient-loading",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_FSDP2, "FSDP_ACTIVATION_CHECKPOINTING": "true"},
+            "accelerate config fsdp_activation_checkpointing=true: dpkit's FSDP2 does not "
+            "apply it",
+            id="activation-checkpointing",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_FSDP2, "FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"},
+            "accelerate config fsdp_auto_wrap_policy=SIZE_BASED_WRAP: dpkit wraps transformer "
+            "layers (TRANSFORMER_BASED_WRAP; --fsdp-layer-classes names them)",
+            id="size-wrap",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_FSDP2, "FSDP_IGNORED_MODULES": "head"},
+            "accelerate config fsdp_ignored_modules=head: dpkit's FSDP2 shards every module",
+            id="ignored-modules",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_FSDP2, "FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD"},
+            "accelerate config fsdp_reshard_after_forward=hybrid_shard: one of true, false",
+            id="hybrid",
+        ),
+        pytest.param(
+            "ddp", None, ACCELERATE_FSDP2,
+            "--strategy=ddp conflicts with accelerate launch (FSDP2, fsdp2_full_shard): drop one "
+            "of them",
+            id="ddp-flag-under-fsdp",
+        ),
+        pytest.param(
+            "fsdp2_shard_grad_op", None, ACCELERATE_FSDP2,
+            "--strategy=fsdp2_shard_grad_op conflicts with accelerate launch (FSDP2, "
+            "fsdp2_full_shard): drop one of them",
+            id="other-fsdp2-mode",
+        ),
+        pytest.param(
+            "auto", ZERO2, ACCELERATE_FSDP2,
+            f"--deepspeed={ZERO2!r} conflicts with accelerate launch (FSDP2, fsdp2_full_shard): "
+            "drop one of them",
+            id="json-under-fsdp",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+            "accelerate launch --zero_stage 3: dpkit supports ZeRO stages 1 and 2",
+            id="stage3",
+        ),
+        pytest.param(
+            "auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "0"},
+            "accelerate launch --zero_stage 0: dpkit supports ZeRO stages 1 and 2",
+            id="stage0",
+        ),
+        pytest.param(
+            "auto", ZERO2, ACCELERATE_DDP,
+            f"--deepspeed={ZERO2!r} conflicts with accelerate launch without DeepSpeed: use "
+            "--config_file ds_configs/accelerate/zero2.yaml (or zero1.yaml), or the deepspeed "
+            "launcher",
+            id="json-under-accelerate-ddp",
+        ),
+        pytest.param(
+            "auto", ZERO1, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2},
+            f"--deepspeed={ZERO1!r} is ZeRO-1 but accelerate launch (DeepSpeed) is ZeRO-2: drop "
+            "one of them",
+            id="json-stage-vs-launcher-stage",
+        ),
+        pytest.param(
+            "auto", ZERO2, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "1"},
+            f"--deepspeed={ZERO2!r} is ZeRO-2 but accelerate launch (DeepSpeed) is ZeRO-1: drop "
+            "one of them",
+            id="json-stage-vs-launcher-default-json",
+        ),
+        pytest.param(
+            "zero1", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2},
+            "--strategy=zero1 conflicts with accelerate launch (DeepSpeed) (zero2): drop one of "
+            "them",
+            id="zero-flag-vs-accelerate-json",
+        ),
+        pytest.param(
+            "ddp", ZERO2, {"WORLD_SIZE": "2"},
+            f"--strategy=ddp conflicts with --deepspeed {ZERO2} (zero2): drop one of them",
+            id="ddp-flag-vs-json",
+        ),
+        pytest.param(
+            "fsdp2_full_shard", ZERO2, {"WORLD_SIZE": "2"},
+            f"--strategy=fsdp2_full_shard conflicts with --deepspeed={ZERO2!r}: FSDP2 takes no "
+            "DeepSpeed config; drop one of them",
+            id="fsdp2-flag-vs-json",
+        ),
+        pytest.param(
+            "fsdp2_full_shard", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"},
+            "--strategy=fsdp2_full_shard conflicts with accelerate launch (DeepSpeed) (zero2): "
+            "drop one of them",
+            id="fsdp2-flag-vs-accelerate-deepspeed",
+        ),
+        pytest.param(
+            "zero1", None, ACCELERATE_DDP,
+            "--strategy=zero1 conflicts with accelerate launch without DeepSpeed: use "
+            "--config_file ds_configs/accelerate/zero1.yaml",
+            id="zero-flag-under-accelerate-ddp",
+        ),
+    ],
+)  # fmt: skip
+def test_launches_that_would_run_something_else_are_refused(flag, deepspeed, env, message):
+    assert refusal(resolve_strategy, flag, deepspeed, env) == message
+
+
+SIMPLE_LAUNCHER = (
+    "accelerate launch --cpu --num_processes N starts a single process; use "
+    "`accelerate launch --multi_gpu --num_processes N` (dpkit runs it on CPU with gloo) "
+    "or --config_file ds_configs/accelerate/ddp.yaml"
+)
+
+
+def test_accelerates_simple_launcher_with_several_processes_is_refused():
+    """``accelerate launch --cpu --num_processes 2`` sets MASTER_PORT but starts one process
+    with neither RANK nor WORLD_SIZE (STACK-NOTES, launching on CPU)."""
+    env = {"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "29500"}
+    assert refusal(check_launcher, env) == SIMPLE_LAUNCHER
+    assert refusal(resolve_strategy, "auto", None, env) == SIMPLE_LAUNCHER
+    check_launcher({"ACCELERATE_USE_CPU": "True"})  # --num_processes 1: no port
+    check_launcher({**env, "RANK": "0", "WORLD_SIZE": "2"})  # --multi_gpu: a real group
+    check_launcher({**env, "RANK": "0"})
+    check_launcher({**env, "WORLD_SIZE": "2"})
+    check_launcher({"MASTER_PORT": "29500"})  # torchrun-like, not accelerate's CPU launcher
+
+
+# ---- precision ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("flag", "launcher", "on_cuda", "expected"),
+    [
+        (None, None, False, "no"),
+        (None, "BF16", False, "bf16"),
+        ("bf16", None, False, "bf16"),
+        ("bf16", "bf16", False, "bf16"),
+        ("bf16", "no", False, "bf16"),
+        ("fp16", None, True, "fp16"),
+        (None, "fp16", True, "fp16"),
+    ],
+)
+def test_precision_from_the_flag_or_the_launcher(flag, launcher, on_cuda, expected):
+    env = {} if launcher is None else {"ACCELERATE_MIXED_PRECISION": launcher}
+    assert resolve_precision(flag, env, on_cuda=on_cuda) == expected
+
+
+def test_precision_refusals_name_where_the_value_came_from():
+    assert refusal(resolve_precision, "fp16", {}, on_cuda=False) == (
+        "--mixed-precision=fp16: needs a CUDA GPU; use bf16 on CPU"
+    )
+    fp16_launcher = {"ACCELERATE_MIXED_PRECISION": "fp16"}
+    assert refusal(resolve_precision, None, fp16_launcher, on_cuda=False) == (
+        "the launcher's mixed_precision=fp16: needs a CUDA GPU; use bf16 on CPU"
+    )
+    assert refusal(resolve_precision, "bf16", fp16_launcher, on_cuda=True) == (
+        "--mixed-precision=bf16 conflicts with the launcher's mixed_precision=fp16"
+    )
+    assert refusal(resolve_precision, None, {"ACCELERATE_MIXED_PRECISION": "fp8"}) == (
+        "mixed_precision='fp8': dpkit supports no, bf16 and fp16"
+    )
+    assert refusal(resolve_precision, "fp32", {}, on_cuda=False) == (
+        "mixed_precision='fp32': dpkit supports no, bf16 and fp16"
+    )
+
+
+def test_precision_asks_torch_for_cuda_when_not_told():
+    import torch
+
+    # The CPU suite hides the GPUs (tests/conftest.py): fp16 is refused as on a CPU box.
+    assert not torch.cuda.is_available()
+    assert refusal(resolve_precision, "fp16", {}) == (
+        "--mixed-precision=fp16: needs a CUDA GPU; use bf16 on CPU"
+    )
+
+
+# ---- DeepSpeed settings an accelerate config gives --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {},
+        {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "auto", "ACCELERATE_GRADIENT_CLIPPING": "auto"},
+        {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "", "ACCELERATE_GRADIENT_CLIPPING": ""},
+        {"ACCELERATE_GRADIENT_CLIPPING": "none"},
+        {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "4", "ACCELERATE_GRADIENT_CLIPPING": "0.5"},
+        {
+            "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+            "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "",
+        },
+        {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "None"},
+    ],
+)
+def test_accelerate_settings_that_agree_or_are_unset_pass(env):
+    check_accelerate_settings(env, gradient_accumulation_steps=4, max_grad_norm=0.5)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "2"},
+            "accelerate config gradient_accumulation_steps=2 disagrees with the run's 4 "
+            "(--gradient-accumulation-steps): make them equal",
+        ),
+        (
+            {"ACCELERATE_GRADIENT_CLIPPING": "1.0"},
+            "accelerate config gradient_clipping=1.0 disagrees with the run's 0.5 "
+            "(--max-grad-norm): make them equal",
+        ),
+        (
+            {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "CPU"},
+            "accelerate config offload_optimizer_device=cpu: dpkit does not set up offload from "
+            "accelerate's settings; put offload_optimizer in the DeepSpeed JSON",
+        ),
+        (
+            {"ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "nvme"},
+            "accelerate config offload_param_device=nvme: dpkit does not set up offload from "
+            "accelerate's settings; put offload_optimizer in the DeepSpeed JSON",
+        ),
+    ],
+)
+def test_accelerate_settings_that_disagree_are_refused_in_full(env, message):
+    call = check_accelerate_settings
+    assert refusal(call, env, gradient_accumulation_steps=4, max_grad_norm=0.5) == message
+
+
+# ---- NCCL: processes per visible GPU ------------------------------------------------------
+
+
+def test_more_processes_than_several_gpus_is_refused_in_the_plural():
+    from dpkit.train.launch import check_ranks_per_gpu
+
+    assert refusal(check_ranks_per_gpu, 4, 2, source="LOCAL_SIZE=4") == (
+        "LOCAL_SIZE=4 processes on this node but 2 visible CUDA devices: NCCL refuses two ranks "
+        "on one GPU; start one process per visible GPU (torchrun --nproc_per_node 2, deepspeed "
+        "--num_gpus 2, accelerate launch --num_processes 2 per machine) or make more GPUs "
+        "visible (CUDA_VISIBLE_DEVICES)"
+    )
