@@ -145,7 +145,7 @@ def hidden_size_of(config: Any) -> int | None:
 @dataclass(frozen=True)
 class ModelSizes:
     """What the run setup needs to know of a model before it exists on any device:
-    ZeRO's bucket sizes and gradient layout follow from these (dpkit.memory.settings)."""
+    ZeRO's bucket sizes and gradient layout follow from these (dpkit.engines.deepspeed.settings)."""
 
     num_params: int
     """Trainable parameters, tied weights counted once."""
@@ -189,7 +189,7 @@ def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order.
 
     DeepSpeed flattens and partitions each group on its own, so ``dpkit plan`` lays the
-    gradients out from these same groups (:mod:`dpkit.memory.zero_layout`).
+    gradients out from these same groups (:mod:`dpkit.engines.deepspeed.layout`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     return [

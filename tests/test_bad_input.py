@@ -51,7 +51,7 @@ from dpkit.train.finetune_config import (
     TrainConfig,
     parse_finetune_args,
 )
-from dpkit.train.launch import resolve_precision, resolve_strategy
+from dpkit.train.launcher import resolve_precision, resolve_strategy
 from tests.harness import REPO, accelerate_cmd, assert_refused, deepspeed_cmd, run
 
 # Small and quick: every case here is refused before any of it matters.
@@ -607,7 +607,7 @@ def test_data_that_fits_passes(tmp_path):
 
 
 def test_deepspeed_keys_come_from_the_installed_deepspeed():
-    from dpkit.train.ds_config_keys import model_keys, pydantic_sections, top_level_keys
+    from dpkit.engines.deepspeed.config_keys import model_keys, pydantic_sections, top_level_keys
 
     keys = top_level_keys()
     assert keys is not None, "the DeepSpeedConfig probe failed: top-level keys would go unchecked"

@@ -21,7 +21,7 @@ from dpkit.bench import launch as bench
 from dpkit.bench import markdown as bench_markdown
 from dpkit.bench import results as bench_results
 from dpkit.errors import UsageError
-from dpkit.memory.settings import MIN_BUCKET_ELEMENTS
+from dpkit.engines.deepspeed.settings import MIN_BUCKET_ELEMENTS
 from dpkit.train.phases import PHASES
 from tests.harness import BIN, run
 

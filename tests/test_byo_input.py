@@ -19,11 +19,11 @@ from dpkit.data.classification import load_classification_splits
 from dpkit.errors import UsageError
 from dpkit.memory.report import MemoryReport
 from dpkit.models import load_tokenizer, max_positions, resolve_model_path
-from dpkit.train.deepspeed_config import optimizer_offload
+from dpkit.engines.deepspeed.config import optimizer_offload
 from dpkit.train.evaluation import ClassifierMetrics
 from dpkit.train.finetune_config import TrainConfig
-from dpkit.train.launch import check_accelerate_settings, resolve_strategy
-from dpkit.train.run_output import check_output_dir
+from dpkit.train.launcher import check_accelerate_settings, resolve_strategy
+from dpkit.train.output import check_output_dir
 from tests.harness import REPO
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"

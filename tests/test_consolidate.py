@@ -26,7 +26,7 @@ ZERO2_SCRIPT = textwrap.dedent(
     from safetensors.torch import save_file
     from transformers import AutoModelForSequenceClassification
     from dpkit.models import resolve_model_path
-    from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
+    from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
 
     out = sys.argv[-1]  # the deepspeed launcher puts --local_rank=N first
     skip_deepspeed_cpu_shm_op()

@@ -30,7 +30,7 @@ import pytest
 import torch
 
 from dpkit.errors import training_failure
-from dpkit.train.full_state import LossScaler
+from dpkit.checkpoints.state import LossScaler
 
 
 def _deepspeed_scaler(init_scale: float, min_scale: float, *, scale_window: int = 1000,
@@ -155,9 +155,9 @@ def _train(accelerator, model, optimizer, overflows: list[bool]) -> Iterator[Non
 
 
 def test_skipped_steps_are_logged_recorded_and_counted(accelerator, tmp_path, caplog):
-    from dpkit.train.checkpointer import Position
+    from dpkit.checkpoints.checkpointer import Position
     from dpkit.train.progress import TrainingLog
-    from dpkit.train.run_output import RunOutput, read_jsonl
+    from dpkit.train.output import RunOutput, read_jsonl
 
     _with_grad_scaler(accelerator, init_scale=1024.0, growth_interval=3)
     model = torch.nn.Linear(4, 1)
@@ -194,7 +194,7 @@ def test_skipped_steps_are_logged_recorded_and_counted(accelerator, tmp_path, ca
 
 def test_no_loss_scaling_adds_nothing(accelerator, tmp_path, caplog):
     from dpkit.train.progress import TrainingLog
-    from dpkit.train.run_output import RunOutput, read_jsonl
+    from dpkit.train.output import RunOutput, read_jsonl
 
     model = torch.nn.Linear(4, 1)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
@@ -217,8 +217,8 @@ def test_no_loss_scaling_adds_nothing(accelerator, tmp_path, caplog):
 def test_grad_scaler_and_skipped_count_survive_a_checkpoint(accelerator, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dpkit.train.checkpoint import resolve_resume
-    from dpkit.train.checkpointer import Checkpointer, Position
+    from dpkit.checkpoints.resume import find_resume as resolve_resume
+    from dpkit.checkpoints.checkpointer import Checkpointer, Position
     from dpkit.train.run import RunInfo
 
     info = RunInfo(
@@ -349,13 +349,13 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from transformers import GPT2Config, GPT2LMHeadModel
     from dpkit.errors import training_failure
-    from dpkit.train.checkpoint import resolve_resume
-    from dpkit.train.checkpointer import Checkpointer, Position
-    from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
-    from dpkit.train.full_state import LossScaler
+    from dpkit.checkpoints.resume import find_resume as resolve_resume
+    from dpkit.checkpoints.checkpointer import Checkpointer, Position
+    from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
+    from dpkit.checkpoints.state import LossScaler
     from dpkit.train.progress import TrainingLog
     from dpkit.train.run import RunInfo, log_once_per_job
-    from dpkit.train.run_output import RunOutput, read_jsonl
+    from dpkit.train.output import RunOutput, read_jsonl
 
     FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
     out = Path(sys.argv[1])
@@ -421,7 +421,7 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
 
 
 def test_zero2_engine_skips_counts_checkpoints_and_stops_at_min_scale(tmp_path):
-    from dpkit.train.run_output import read_jsonl
+    from dpkit.train.output import read_jsonl
     from tests.harness import REPO, free_port, launch_env
 
     script = tmp_path / "zero2_fp16_scaler.py"

@@ -21,9 +21,9 @@ from dpkit.errors import UsageError
 from dpkit.plan import check as plan_check
 from dpkit.strategy import FSDP2_FULL_SHARD, FSDP2_SHARD_GRAD_OP
 from dpkit.train.config import StrategyConfig
-from dpkit.train.fsdp2 import layer_classes
-from dpkit.train.launch import resolve_strategy
-from dpkit.train.resolve import resolve
+from dpkit.engines.fsdp2.shard import layer_classes
+from dpkit.train.launcher import resolve_strategy
+from dpkit.train.resolution import resolve
 from tests.checkpoint_runs import LOGS_ONLY, REFERENCES, launch_ck, step3
 from tests.harness import FSDP2_RTOL, REPO, max_rel_diff, score_model_folder
 
@@ -360,7 +360,7 @@ def whole():
     return buffers.get("whole parameters (FSDP2 all-gather output)", 0.0)
 
 found["whole_after_eval"] = whole()
-dpkit.train.fsdp2.reshard(model_)
+dpkit.engines.fsdp2.shard.reshard(model_)
 found["whole_after_reshard"] = whole()
 run.accelerator.end_training()
 print(json.dumps(found))

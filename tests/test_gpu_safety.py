@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dpkit.errors import EXIT_USAGE, UsageError
 from dpkit.train import guards, run
 from dpkit.train.guards import nccl_timeout_notice
-from dpkit.train.launch import check_ranks_per_gpu, local_process_count
+from dpkit.train.launcher import check_ranks_per_gpu, local_process_count
 from tests.conftest import hides_gpus
 
 EIGHT_ON_ONE = (

@@ -58,7 +58,7 @@ def test_launch_form_runs_what_it_says(launched, name):
             == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world_size
         )
         assert "auto" not in str(ds)
-        # Memory settings sized to the model (dpkit.memory.settings): MiniLM's hidden^2
+        # Memory settings sized to the model (dpkit.engines.deepspeed.settings): MiniLM's hidden^2
         # (147,456) is under the floor of 2^21 elements.
         assert ds["zero_optimization"]["reduce_bucket_size"] == 2**21
         # MiniLM's word embedding (30,522 x 384 = 11.7M elements) is larger than the bucket

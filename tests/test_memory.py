@@ -336,9 +336,9 @@ _WORLD_OF_ONE = textwrap.dedent(
     if strategy == "ddp":
         handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=bucket_view))
     else:
-        # As every dpkit run does (dpkit.train.deepspeed_config): the CPU shared-memory
+        # As every dpkit run does (dpkit.engines.deepspeed.config): the CPU shared-memory
         # all-reduce op is never used in training, and building it costs ~40 s.
-        from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
+        from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
         skip_deepspeed_cpu_shm_op()
         plugin = DeepSpeedPlugin(hf_ds_config={
             "train_micro_batch_size_per_gpu": 4, "train_batch_size": 4,

@@ -10,7 +10,7 @@ whole gradients of parameters cut by its partition boundaries, (b) the gradient 
 parameter larger than the bucket, still unreduced when backward ends, and (c) the flat
 copy of its partition that the step makes while the gradients it copies are alive.
 Each such holder must be named in the report, and the gradient high-water is bounded
-by ``dpkit plan``'s layout figure for the same run (dpkit.memory.zero_layout follows
+by ``dpkit plan``'s layout figure for the same run (dpkit.engines.deepspeed.layout follows
 DeepSpeed bucket by bucket): within 2%, where a ZeRO-2 that kept every gradient would
 hold DDP's 4 Psi. The plan's other categories match per category within 2% and its
 model-state total within 10% (``dpkit plan --against RUN_DIR``).
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 from dpkit.memory.report import PARTITION_SHARE, MemoryReport, gradient_partition_bytes
-from dpkit.memory.zero_layout import gradient_high_water
+from dpkit.engines.deepspeed.layout import gradient_high_water
 from dpkit.plan import check as plan_check
 from dpkit.plan.inputs import load_model
 from tests.harness import BIN, REPO, accelerate_cmd, deepspeed_cmd, free_port, run, run_captured
@@ -144,7 +144,7 @@ def plan_grads(run_dir: Path) -> float:
 
 
 def layout_grads_per_rank(run_dir: Path, strategy: str, world_size: int) -> tuple[list[float], int]:
-    """dpkit.memory.zero_layout's gradient high-water of every rank for the run's own
+    """dpkit.engines.deepspeed.layout's gradient high-water of every rank for the run's own
     settings, and the run's reduce bucket in bytes."""
     zero = json.loads((run_dir / "ds_config.json").read_text())["zero_optimization"]
     spec = minilm_spec()

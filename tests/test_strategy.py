@@ -7,12 +7,12 @@ import json
 import pytest
 
 from dpkit.errors import UsageError
-from dpkit.memory.settings import zero_memory_settings
+from dpkit.engines.deepspeed.settings import zero_memory_settings
 from dpkit.models import ModelSizes
 from dpkit.train.config import StrategyConfig
-from dpkit.train.deepspeed_config import fill_deepspeed_config
-from dpkit.train.launch import resolve_precision, resolve_strategy
-from dpkit.train.resolve import resolve, scaled_learning_rate
+from dpkit.engines.deepspeed.config import fill_deepspeed_config
+from dpkit.train.launcher import resolve_precision, resolve_strategy
+from dpkit.train.resolution import resolve, scaled_learning_rate
 from tests.harness import REPO
 
 ZERO1 = str(REPO / "ds_configs" / "zero1.json")
@@ -147,7 +147,7 @@ def test_auto_values_filled_and_batch_identity_holds(path, micro, accum, world):
     assert config["train_micro_batch_size_per_gpu"] == micro
     assert config["gradient_accumulation_steps"] == accum
     assert config["gradient_clipping"] == 1.0
-    # MiniLM's hidden^2 is under the floor of dpkit.memory.settings.bucket_elements.
+    # MiniLM's hidden^2 is under the floor of dpkit.engines.deepspeed.settings.bucket_elements.
     assert config["zero_optimization"]["reduce_bucket_size"] == 2**21
     assert config["bf16"] == {"enabled": False} and config["fp16"] == {"enabled": False}
     assert all(value != "auto" for _, value in _leaves(config))

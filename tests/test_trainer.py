@@ -174,7 +174,7 @@ def test_dpkit_settings_shrink_zero_buckets_against_deepspeed_defaults(runs):
     holding every gradient). dpkit's, for MiniLM at 2 ranks: no pre-allocated bucket
     (contiguous_gradients off: the word embedding is larger than the bucket and a
     quarter of the partition) and reductions of at most 2^21 elements."""
-    from dpkit.memory.settings import DEEPSPEED_DEFAULT_BUCKET, bucket_elements
+    from dpkit.engines.deepspeed.settings import DEEPSPEED_DEFAULT_BUCKET, bucket_elements
 
     flat_copy = "zero_reduce_flat_copy (largest bucket copy, transient)"
     dpkit_run = runs.report("zero2")
@@ -311,7 +311,7 @@ def _minilm_config():
 
 def test_deepspeed_config_fills_dpkits_zero_settings_and_leaves_the_trainers_auto():
     from dpkit.integrations.transformers import deepspeed_config
-    from dpkit.memory.settings import zero_memory_settings
+    from dpkit.engines.deepspeed.settings import zero_memory_settings
 
     config = deepspeed_config(_minilm_config(), "zero2", world_size=4)
     expected = zero_memory_settings(

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dpkit.bench.launch import DEFAULT_LAUNCH_TIMEOUT_S
 from dpkit.errors import UsageError
-from dpkit.strategy import DDP_AND_ZERO, RUNNABLE
+from dpkit.strategy import RUNNABLE, TRAINER_STRATEGIES
 
 # Not 4: on the 2-core CPU machine the default bench at 4 processes took 13.7 min
 # (docs/bench-cpu-4proc.md, a shared machine) against 2.2 at 2 (docs/bench-cpu-2proc.md),
@@ -163,7 +163,7 @@ def _parse_overrides(items: list[str]) -> dict:
 
 def _parse_strategies(text: str, classification: bool) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
-    allowed = [s.name for s in (DDP_AND_ZERO if classification else RUNNABLE)]
+    allowed = [s.name for s in (TRAINER_STRATEGIES if classification else RUNNABLE)]
     if classification and any(n in RUNNABLE_NAMES and n not in allowed for n in names):
         raise UsageError(
             f"--strategies={text!r}: the classification workload's Trainer baseline runs "

@@ -30,7 +30,7 @@ from typing import Any
 from dpkit.errors import UsageError
 from dpkit.models import max_positions
 from dpkit.train.config import check_field
-from dpkit.train.run_output import RunOutput
+from dpkit.train.output import RunOutput
 
 BYTE_VOCAB = 256
 

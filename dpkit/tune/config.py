@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dpkit import resources
+from dpkit.engines.deepspeed.settings import ZERO_BUCKET_ALIGNMENT
 from dpkit.errors import UsageError
-from dpkit.memory.settings import ZERO_BUCKET_ALIGNMENT
 from dpkit.strategy import RUNNABLE, get_strategy
 
 DEFAULT_RECIPE = "train_lm.py"
@@ -118,7 +118,7 @@ class TuneConfig:
                 f"baseline_strategy={self.baseline_strategy!r}: one of {', '.join(TUNABLE)}"
             )
         if self.zero_bucket_sizes is not None and not any(
-            get_strategy(name).uses_deepspeed for name in self.strategies
+            get_strategy(name).engine.tunable for name in self.strategies
         ):
             # Buckets are DeepSpeed's; FSDP2 and DDP have none, so the sizes would go unused.
             raise UsageError(

@@ -152,7 +152,7 @@ class _Tuner:
         if not self.settings.config.zero_variants:
             return candidates
         for strategy in self.settings.config.strategies:
-            if not get_strategy(strategy).uses_deepspeed:
+            if not get_strategy(strategy).engine.tunable:
                 continue
             ran = [
                 t
