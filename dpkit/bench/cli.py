@@ -174,7 +174,7 @@ def _parse_strategies(text: str, classification: bool) -> list[str]:
     return names
 
 
-def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
+def bench_settings(args: argparse.Namespace, gpu_count: int) -> dict:
     """Defaults that depend on the machine, checked before anything is launched."""
     from dpkit.bench.machine import usable_cores
     from dpkit.data.lm import MODEL_SIZES
@@ -286,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
     from dpkit.bench import chart, launch, markdown, results
     from dpkit.bench.machine import machine_description
 
-    settings = resolve_settings(args, torch.cuda.device_count())
+    settings = bench_settings(args, torch.cuda.device_count())
     out = _output_dir(args.output_dir)
     phases = launch.plan_phases(settings, out)
     env = launch.launch_env(settings)

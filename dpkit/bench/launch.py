@@ -194,8 +194,7 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -
         "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir),
     ]  # fmt: skip
-    launcher, module = strategy.engine.bare_baseline(strategy)
-    processes = "--num_gpus" if launcher == "deepspeed" else "--nproc_per_node"
+    launcher, processes, module = strategy.engine.bare_baseline(strategy)
     cmd = [
         launcher_path(launcher), processes, nproc, "--master_port", port, *module, *tail,
     ]  # fmt: skip

@@ -167,12 +167,12 @@ def main() -> None:
     )
 
     import dpkit
-from dpkit import models
-from dpkit.data import classification
-from dpkit.train.run import log_once_per_job
-    from dpkit import resources
+    from dpkit import models, resources
+    from dpkit.data import classification
     from dpkit.integrations.transformers import device_arguments
+    from dpkit.strategy import get_strategy
     from dpkit.train.phases import ddp_timing
+    from dpkit.train.run import log_once_per_job
 
     args = parse_args()
     log_once_per_job()
@@ -203,9 +203,12 @@ from dpkit.train.run import log_once_per_job
         bf16=args.mixed_precision == "bf16",
         save_strategy="no",
         report_to="none",
-        deepspeed=None
-        if args.strategy == "ddp"
-        else str(resources.deepspeed_config(args.strategy)),
+        # The Trainer's own DeepSpeed integration reads the strategy's shipped JSON.
+        deepspeed=(
+            str(resources.deepspeed_config(args.strategy))
+            if get_strategy(args.strategy).engine.reads_config_file
+            else None
+        ),
         **device_arguments(),
     )
     tokenized = splits["train"].map(

@@ -117,17 +117,12 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
-# The fields of DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py) that change
-# while training; the rest (min_scale, scale_window, delayed_shift) comes from the
-# resuming run's own fp16 section.
-_DEEPSPEED_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-
-
 class LossScaler:
-    """fp16's dynamic loss scaler, whichever library keeps it: torch's ``GradScaler`` under
-    DDP (``accelerator.scaler``: accelerate makes one for fp16 on a GPU) or DeepSpeed's
-    ``DynamicLossScaler`` inside the ZeRO optimizer (``fp16.enabled`` with the default
-    ``loss_scale: 0``).
+    """fp16's dynamic loss scaler, whichever library keeps it: the run's engine finds it
+    (:meth:`~dpkit.engines.base.Engine.loss_scaler`): torch's ``GradScaler``
+    (:class:`TorchLossScaler`; ``accelerator.scaler``, which accelerate makes for fp16 on
+    a GPU) or DeepSpeed's ``DynamicLossScaler`` inside the ZeRO optimizer
+    (``dpkit.engines.deepspeed.checkpoint.DeepSpeedLossScaler``).
 
     A dpkit checkpoint is its own layout, not accelerate's ``save_state`` (which writes
     ``scaler.pt``) nor DeepSpeed's optimizer shards (which pickle ``loss_scaler``), so
@@ -135,56 +130,66 @@ class LossScaler:
     steps overflow and are skipped again, and the run is no longer the one that stopped.
     """
 
-    def __init__(self, scaler: Any, kind: str) -> None:
-        """``scaler``: a ``torch.amp.GradScaler`` (``kind`` ``torch``) or a DeepSpeed
-        ``DynamicLossScaler`` (``deepspeed``); the run's engine finds it
-        (:meth:`~dpkit.engines.base.Engine.loss_scaler`)."""
+    kind = ""
+    """Whose state :meth:`state_dict` holds (``torch``, ``deepspeed``)."""
+
+    def __init__(self, scaler: Any) -> None:
         self.scaler = scaler
-        self.kind = kind
 
     @property
     def scale(self) -> float:
         """The scale the next backward multiplies the loss by."""
-        if self.kind == "deepspeed":
-            return float(self.scaler.cur_scale)
-        return float(self.scaler.get_scale())
+        raise NotImplementedError
 
     @property
     def growth_tracker(self) -> int:
-        """Steps without overflow counted toward the next growth of the scale: torch's
-        ``_growth_tracker``; DeepSpeed's steps since the last overflow."""
-        if self.kind == "deepspeed":
-            return int(self.scaler.cur_iter - self.scaler.last_overflow_iter - 1)
-        return int(self.scaler.state_dict()["_growth_tracker"])
+        """Steps without overflow counted toward the next growth of the scale."""
+        raise NotImplementedError
+
+    def native_state(self) -> dict[str, Any]:
+        """The library's own counters, as plain numbers."""
+        raise NotImplementedError
+
+    def restore(self, saved: dict[str, Any], same_library: bool) -> None:
+        """Set the scale (and, written by the same library, its counters) from ``saved``."""
+        raise NotImplementedError
 
     def state_dict(self) -> dict[str, Any]:
         """Plain numbers (JSON): ``kind``, ``scale`` and the library's own counters."""
-        if self.kind == "deepspeed":
-            native = {name: getattr(self.scaler, name) for name in _DEEPSPEED_SCALER_STATE}
-        else:
-            native = {"_growth_tracker": int(self.scaler.state_dict()["_growth_tracker"])}
-        return {"kind": self.kind, "scale": self.scale, **native}
+        return {"kind": self.kind, "scale": self.scale, **self.native_state()}
 
     def load_state_dict(self, saved: dict[str, Any]) -> str:
         """Restore ``saved`` (:meth:`state_dict`); returns what was restored, for the log.
 
         Written by the same library: the scale and its counters exactly. By the other one
         (a checkpoint resumed across DDP and ZeRO): the scale only, the growth count starts
-        over, since torch and DeepSpeed count it differently. The growth and backoff
-        settings stay this run's. DeepSpeed's scale is kept at or above this run's
-        ``min_scale``: a scale below it would stop the run at its first overflow.
+        over, since the libraries count it differently. The growth and backoff settings
+        stay this run's.
         """
         same = saved.get("kind") == self.kind
-        if self.kind == "deepspeed":
-            if same:
-                for name in _DEEPSPEED_SCALER_STATE:
-                    setattr(self.scaler, name, saved[name])
-            self.scaler.cur_scale = max(float(saved["scale"]), float(self.scaler.min_scale))
-        else:
-            tracker = int(saved["_growth_tracker"]) if same else 0
-            self.scaler.load_state_dict(
-                {**self.scaler.state_dict(), "scale": float(saved["scale"]),
-                 "_growth_tracker": tracker}
-            )  # fmt: skip
+        self.restore(saved, same)
         counters = "and its growth count" if same else f"only (written by {saved.get('kind')})"
         return f"fp16 loss scale {self.scale:g} {counters}"
+
+
+class TorchLossScaler(LossScaler):
+    """torch's ``GradScaler``: the scale and ``_growth_tracker``."""
+
+    kind = "torch"
+
+    @property
+    def scale(self) -> float:
+        return float(self.scaler.get_scale())
+
+    @property
+    def growth_tracker(self) -> int:
+        return int(self.scaler.state_dict()["_growth_tracker"])
+
+    def native_state(self) -> dict[str, Any]:
+        return {"_growth_tracker": self.growth_tracker}
+
+    def restore(self, saved: dict[str, Any], same_library: bool) -> None:
+        tracker = int(saved["_growth_tracker"]) if same_library else 0
+        self.scaler.load_state_dict(
+            {**self.scaler.state_dict(), "scale": float(saved["scale"]), "_growth_tracker": tracker}
+        )

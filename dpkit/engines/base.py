@@ -310,10 +310,10 @@ class Engine:
         """fp16's dynamic loss scaler of the run (:class:`dpkit.checkpoints.state.LossScaler`),
         or None when it scales no loss (fp32, bf16): here torch's ``GradScaler``, which
         accelerate makes for fp16 on a GPU."""
-        from dpkit.checkpoints.state import LossScaler
+        from dpkit.checkpoints.state import TorchLossScaler
 
         scaler = getattr(accelerator, "scaler", None)
-        return LossScaler(scaler, "torch") if scaler is not None and scaler.is_enabled() else None
+        return TorchLossScaler(scaler) if scaler is not None and scaler.is_enabled() else None
 
     def full_weights(self, accelerator: Any, module: Any) -> dict[str, Any]:
         """Every parameter at full size in fp32 by name (the main process keeps a CPU
@@ -350,9 +350,10 @@ class Engine:
         """The :attr:`tunable` settings as a run's written :attr:`config_file` holds them."""
         return {}
 
-    def bare_baseline(self, strategy: Strategy) -> tuple[str, list[str]]:
-        """The bench's bare twin of ``strategy``: the launcher and the module arguments
-        of a loop that uses the backend without dpkit or accelerate."""
+    def bare_baseline(self, strategy: Strategy) -> tuple[str, str, list[str]]:
+        """The bench's bare twin of ``strategy``: the launcher, its flag for the number of
+        processes, and the module arguments of a loop that uses the backend without
+        dpkit or accelerate."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

@@ -122,7 +122,7 @@ def _read_config(config: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
         resolved = copy.deepcopy(dict(config))
         check_ds_config_keys(resolved, where)
         return resolved, where
-    shipped = config in ("zero1", "zero2")
+    shipped = isinstance(config, str) and resources.deepspeed_config(config).is_file()
     path = str(resources.deepspeed_config(config)) if shipped else str(config)
     return read_ds_config(path), path
 

@@ -164,5 +164,5 @@ class DDPEngine(Engine):
         checkpoint.load_moments(module, optimizer, moments, step)
 
     # bench
-    def bare_baseline(self, strategy: Any) -> tuple[str, list[str]]:
-        return "torchrun", ["--module", "dpkit.bench.bare_ddp"]
+    def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
+        return "torchrun", "--nproc_per_node", ["--module", "dpkit.bench.bare_ddp"]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dpkit.checkpoints.state import LossScaler
 from dpkit.engines.deepspeed.memory import zero_optimizer
 from dpkit.memory.walk import inner_torch_optimizer
 
@@ -101,3 +102,36 @@ def load_fp32_masters(module: torch.nn.Module, weights: dict[str, torch.Tensor])
     for name, param in module.named_parameters():
         if hasattr(param, "_hp_mapping"):
             safe_set_full_fp32_param(param, weights[name].to(param.device))
+
+
+# The fields of DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py) that change
+# while training; the rest (min_scale, scale_window, delayed_shift) comes from the
+# resuming run's own fp16 section.
+_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+class DeepSpeedLossScaler(LossScaler):
+    """DeepSpeed's ``DynamicLossScaler`` inside the ZeRO optimizer (``fp16.enabled`` with
+    the default ``loss_scale: 0``)."""
+
+    kind = "deepspeed"
+
+    @property
+    def scale(self) -> float:
+        return float(self.scaler.cur_scale)
+
+    @property
+    def growth_tracker(self) -> int:
+        """DeepSpeed's steps since the last overflow."""
+        return int(self.scaler.cur_iter - self.scaler.last_overflow_iter - 1)
+
+    def native_state(self) -> dict[str, Any]:
+        return {name: getattr(self.scaler, name) for name in _SCALER_STATE}
+
+    def restore(self, saved: dict[str, Any], same_library: bool) -> None:
+        """The scale is kept at or above this run's ``min_scale``: a scale below it would
+        stop the run at its first overflow."""
+        if same_library:
+            for name in _SCALER_STATE:
+                setattr(self.scaler, name, saved[name])
+        self.scaler.cur_scale = max(float(saved["scale"]), float(self.scaler.min_scale))

@@ -399,7 +399,7 @@ class DeepSpeedEngine(Engine):
     def tunable_in_effect(self, config: Mapping[str, Any]) -> dict[str, Any]:
         return dict(config.get("zero_optimization", {}))
 
-    def bare_baseline(self, strategy: Any) -> tuple[str, list[str]]:
-        return "deepspeed", [
-            "--module", "dpkit.bench.bare_deepspeed", "--zero-stage", str(strategy.zero_stage)
-        ]  # fmt: skip
+    def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
+        stage = str(strategy.zero_stage)
+        module = ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", stage]
+        return "deepspeed", "--num_gpus", module

@@ -299,11 +299,7 @@ class FSDP2Engine(Engine):
         checkpoint.load_moments(module, optimizer, moments, step)
 
     # bench
-    def bare_baseline(self, strategy: Any) -> tuple[str, list[str]]:
+    def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
         reshard = str(strategy.reshard_after_forward).lower()
-        return "torchrun", [
-            "--module",
-            "dpkit.bench.bare_fsdp2",
-            "--reshard-after-forward",
-            reshard,
-        ]
+        module = ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", reshard]
+        return "torchrun", "--nproc_per_node", module
