@@ -29,7 +29,7 @@ COMMANDS = {
         "the fastest strategy, micro-batch and ZeRO buckets that fit, by measuring",
     ),
     "consolidate": (
-        "dpkit.train.consolidate",
+        "dpkit.checkpoints.consolidate",
         "a dpkit or DeepSpeed ZeRO checkpoint to a Hugging Face model folder (fp32)",
     ),
 }

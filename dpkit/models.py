@@ -20,7 +20,7 @@ EMBEDDED_MODELS = {
 }
 
 
-def resolve_model_path(name: str) -> str:
+def local_model_path(name: str) -> str:
     """A local folder for ``name`` when one exists (a path, or an embedded copy of a
     Hub model); otherwise ``name`` itself, for ``from_pretrained`` to fetch."""
     if Path(name).is_dir():
@@ -41,7 +41,7 @@ def load_model_config(name: str):
     """The transformers config of ``name``; a clear one-line error if it cannot be loaded."""
     from transformers import AutoConfig
 
-    path = resolve_model_path(name)
+    path = local_model_path(name)
     try:
         return path, AutoConfig.from_pretrained(path)
     except (OSError, ValueError) as err:
@@ -145,7 +145,7 @@ def hidden_size_of(config: Any) -> int | None:
 @dataclass(frozen=True)
 class ModelSizes:
     """What the run setup needs to know of a model before it exists on any device:
-    ZeRO's bucket sizes and gradient layout follow from these (dpkit.memory.settings)."""
+    ZeRO's bucket sizes and gradient layout follow from these (dpkit.engines.deepspeed.settings)."""
 
     num_params: int
     """Trainable parameters, tied weights counted once."""
@@ -189,7 +189,7 @@ def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order.
 
     DeepSpeed flattens and partitions each group on its own, so ``dpkit plan`` lays the
-    gradients out from these same groups (:mod:`dpkit.memory.zero_layout`).
+    gradients out from these same groups (:mod:`dpkit.engines.deepspeed.layout`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
     return [
@@ -205,7 +205,7 @@ def adamw(param_groups: Any, lr: float, weight_decay: float) -> Any:
 
     Measured for MiniLM's 22.7M parameters on one CPU thread: fused 14 ms a step, against
     70 ms for ``foreach`` and 88 ms for the per-tensor loop, which is torch's default on
-    CPU (``../shared/STACK-NOTES.md``). The Transformers Trainer defaults to the fused one too.
+    CPU (docs/stack-notes.md). The Transformers Trainer defaults to the fused one too.
     """
     import torch
 

@@ -1,9 +1,12 @@
-"""The data-parallel strategies dpkit knows: one :class:`Strategy` value each, the only table of them.
+"""The strategy table: each strategy dpkit knows, as a name, the engine that runs it and that engine's settings.
 
-Every module that needs to tell strategies apart (run setup, the memory
-accounting, ``dpkit plan``, ``dpkit bench``) asks a ``Strategy`` what it does
-(``zero_stage``, ``engine``, ``offload``) instead of comparing names. A new
-strategy is one more value here (FSDP2's two modes were).
+A :class:`Strategy` is one row. What differs between backends (settings, wrapping,
+where memory lives, plan arithmetic, checkpoints) is its ``engine``'s to answer
+(:mod:`dpkit.engines`); the row only says how the engine is set: what is sharded (the
+ZeRO stage), whether optimizer state lives in host memory, whether FSDP2 reshards
+after the forward. Code elsewhere asks ``strategy.engine`` and never compares names.
+Adding a strategy of an existing backend is one row here (FSDP2's two modes were);
+adding a backend is one engine package and one row (``docs/architecture.md``).
 
 This module imports nothing heavy: ``dpkit plan`` reads it without torch.
 """
@@ -13,6 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
+
+from dpkit.engines.base import Engine
+from dpkit.engines.ddp import ENGINE as DDP_ENGINE
+from dpkit.engines.deepspeed import ENGINE as DEEPSPEED_ENGINE
+from dpkit.engines.fsdp2 import ENGINE as FSDP2_ENGINE
 
 
 @dataclass(frozen=True)
@@ -24,40 +32,20 @@ class Strategy:
     ``fsdp2_full_shard`` (and, for ``dpkit plan`` only, ``zero2_offload``, ``zero3``)."""
     label: str
     """How tables and logs show it: ``DDP``, ``ZeRO-1``..."""
-    engine: str
-    """What runs it: ``ddp`` (torch DistributedDataParallel), ``deepspeed``, or ``fsdp2``
-    (torch's ``fully_shard``, applied by dpkit on every device)."""
+    engine: Engine
+    """The backend that runs it (:mod:`dpkit.engines`)."""
     zero_stage: int
     """What is sharded over the ranks, in ZeRO's terms: 0 nothing, 1 optimizer state and
     master weights, 2 also gradients, 3 also parameters."""
     offload: bool = False
     """Optimizer state and master weights live in host memory (DeepSpeed offload)."""
+    reshard_after_forward: bool = False
+    """Parameters are sharded again after each layer's forward (FSDP2 full-shard,
+    ZeRO-3's semantics); otherwise they stay whole until the backward."""
     runnable: bool = True
     """dpkit's recipes run it; ``False``: ``dpkit plan`` shows it for reference."""
     summary: str = ""
     """What it holds per rank, in a few words."""
-
-    @property
-    def uses_deepspeed(self) -> bool:
-        return self.engine == "deepspeed"
-
-    @property
-    def uses_fsdp2(self) -> bool:
-        return self.engine == "fsdp2"
-
-    @property
-    def reshard_after_forward(self) -> bool:
-        """FSDP2: parameters are sharded again after each layer's forward (ZeRO-3's
-        semantics); otherwise they stay whole until the backward (ZeRO-2's)."""
-        return self.uses_fsdp2 and self.zero_stage == 3
-
-    @property
-    def keeps_fp32_master(self) -> bool:
-        """Whether an fp32 master copy is kept beside the module's parameters: DeepSpeed's
-        ZeRO optimizer keeps its fp32 partition even when the module is fp32 (measured);
-        torch DDP and FSDP2 update the module's own fp32 parameters (FSDP2's mixed
-        precision casts a copy for the compute)."""
-        return self.engine == "deepspeed"
 
     def offloaded(self) -> Strategy:
         """The variant that keeps optimizer state and master weights in host memory
@@ -71,39 +59,36 @@ class Strategy:
         return self.name
 
 
-DDP = Strategy("ddp", "DDP", "ddp", 0, summary="a full replica per rank")
-ZERO1 = Strategy("zero1", "ZeRO-1", "deepspeed", 1, summary="optimizer state sharded")
-ZERO2 = Strategy("zero2", "ZeRO-2", "deepspeed", 2, summary="optimizer state and gradients sharded")
+DDP = Strategy("ddp", "DDP", DDP_ENGINE, 0, summary="a full replica per rank")
+ZERO1 = Strategy("zero1", "ZeRO-1", DEEPSPEED_ENGINE, 1, summary="optimizer state sharded")
+ZERO2 = Strategy(
+    "zero2", "ZeRO-2", DEEPSPEED_ENGINE, 2, summary="optimizer state and gradients sharded"
+)
 ZERO2_OFFLOAD = Strategy(
     "zero2_offload",
     "ZeRO-2 offload",
-    "deepspeed",
+    DEEPSPEED_ENGINE,
     2,
     offload=True,
     runnable=False,
     summary="ZeRO-2 with optimizer state and master weights in host memory",
 )
 ZERO3 = Strategy(
-    "zero3",
-    "ZeRO-3 (ref)",
-    "deepspeed",
-    3,
-    runnable=False,
-    summary="parameters sharded too",
+    "zero3", "ZeRO-3 (ref)", DEEPSPEED_ENGINE, 3, runnable=False, summary="parameters sharded too"
 )
-
 FSDP2_SHARD_GRAD_OP = Strategy(
     "fsdp2_shard_grad_op",
     "FSDP2 shard-grad-op",
-    "fsdp2",
+    FSDP2_ENGINE,
     2,
     summary="torch FSDP2: gradients and optimizer state sharded, parameters whole in the step",
 )
 FSDP2_FULL_SHARD = Strategy(
     "fsdp2_full_shard",
     "FSDP2 full-shard",
-    "fsdp2",
+    FSDP2_ENGINE,
     3,
+    reshard_after_forward=True,
     summary="torch FSDP2: parameters, gradients and optimizer state sharded",
 )
 
@@ -116,7 +101,9 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
 """Every strategy by name: DDP and DeepSpeed least sharding first, then FSDP2."""
 RUNNABLE: tuple[Strategy, ...] = tuple(s for s in STRATEGIES.values() if s.runnable)
 """The strategies the recipes run."""
-DDP_AND_ZERO: tuple[Strategy, ...] = (DDP, ZERO1, ZERO2)
+REFERENCE: Strategy = DDP
+"""Full replication: what every saving is measured against and every loss compared with."""
+TRAINER_STRATEGIES: tuple[Strategy, ...] = (DDP, ZERO1, ZERO2)
 """The strategies the Transformers ``Trainer`` baseline of ``dpkit bench --workload
 classification`` runs (the Trainer's FSDP path needs accelerator devices)."""
 
@@ -131,18 +118,19 @@ def get_strategy(name: str | Strategy) -> Strategy:
         raise ValueError(f"unknown strategy {name!r}; one of {', '.join(STRATEGIES)}") from None
 
 
-def deepspeed_strategy(zero_stage: int) -> Strategy:
-    """The runnable DeepSpeed strategy of a ZeRO stage (1 or 2)."""
-    return _runnable(stage=zero_stage, engine="deepspeed")
-
-
-def fsdp2_strategy(reshard_after_forward: bool) -> Strategy:
-    """The FSDP2 strategy with or without resharding after the forward."""
-    return FSDP2_FULL_SHARD if reshard_after_forward else FSDP2_SHARD_GRAD_OP
-
-
-def _runnable(*, stage: int, engine: str) -> Strategy:
+def runnable_strategy(
+    engine: Engine, *, zero_stage: int | None = None, reshard_after_forward: bool | None = None
+) -> Strategy:
+    """The runnable strategy of ``engine`` with the given settings (a DeepSpeed JSON's
+    stage, an FSDP launch's resharding); :class:`ValueError` where the table has none."""
     for strategy in RUNNABLE:
-        if strategy.engine == engine and strategy.zero_stage == stage:
+        if (
+            strategy.engine is engine
+            and zero_stage in (None, strategy.zero_stage)
+            and reshard_after_forward in (None, strategy.reshard_after_forward)
+        ):
             return strategy
-    raise ValueError(f"no runnable {engine} strategy for ZeRO stage {stage}")
+    raise ValueError(
+        f"no runnable {engine.name} strategy with zero_stage={zero_stage}, "
+        f"reshard_after_forward={reshard_after_forward}"
+    )

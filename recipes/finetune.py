@@ -1,4 +1,4 @@
-"""Fine-tune a pretrained model for sequence classification as DDP, ZeRO-1 or ZeRO-2.
+"""Fine-tune a pretrained model for sequence classification as DDP, ZeRO-1, ZeRO-2 or FSDP2.
 
 The same script, unchanged, under every launcher (run from the repository root):
 
@@ -9,6 +9,7 @@ The same script, unchanged, under every launcher (run from the repository root):
     accelerate launch --use_deepspeed --deepspeed_config_file ds_configs/zero1.json --num_processes 8 recipes/finetune.py
     deepspeed --num_gpus 8 recipes/finetune.py --deepspeed ds_configs/zero2.json
     torchrun --nproc_per_node 8 recipes/finetune.py --strategy zero1
+    torchrun --nproc_per_node 8 recipes/finetune.py --strategy fsdp2_full_shard
 
 On a machine without CUDA the same commands run the processes on CPU with gloo.
 Default: all-MiniLM-L6-v2 on Rotten Tomatoes review snippets, both embedded
@@ -29,6 +30,8 @@ from torch.utils.data import DataLoader
 from transformers import AutoModelForSequenceClassification, DataCollatorWithPadding
 
 import dpkit
+from dpkit import models
+from dpkit.data import classification
 
 logger = logging.getLogger("dpkit.finetune")
 
@@ -63,86 +66,72 @@ def main() -> None:
     model_cfg, data_cfg, strategy_cfg, train_cfg = dpkit.parse_args(
         dpkit.ModelConfig, dpkit.DataConfig, dpkit.StrategyConfig, dpkit.TrainConfig
     )
-    dpkit.log_once_per_job()
     datasets.disable_progress_bars()  # one bar: the training's
     transformers.utils.logging.disable_progress_bar()
-    run_config = dpkit.config_dict(model_cfg, data_cfg, strategy_cfg, train_cfg)  # as launched
     # Pre-flight: everything that can be wrong with the input, before any process group.
-    model_path, hf_config = dpkit.load_model_config(model_cfg.model)
+    model_path, hf_config = models.load_model_config(model_cfg.model)
     model_cfg.check_positions(hf_config)
-    splits, label_names = dpkit.load_data_splits(data_cfg)
-    dpkit.check_classification_data(
+    splits, label_names = classification.load_data_splits(data_cfg)
+    classification.check_classification_data(
         model_cfg, data_cfg, train_cfg, hf_config, loaded=(splits, label_names)
     )
     splits = data_cfg.truncate(splits)
-    resume = dpkit.resolve_resume(train_cfg.resume, train_cfg.output_dir)
-    tokenizer = dpkit.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
+    resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
+    tokenizer = models.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
     set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
     model = AutoModelForSequenceClassification.from_pretrained(
         resume.path if resume else model_path,
-        **dpkit.classifier_labels(label_names, tokenizer),
+        **models.classifier_labels(label_names, tokenizer),
         **model_cfg.dropout_overrides(hf_config),
     )
     # The strategy, from the flags and the launcher; ZeRO's buckets sized to the model.
-    resolution = dpkit.resolve(strategy_cfg, model=model, **train_cfg.run_settings())
-    schedule = train_cfg.schedule(len(splits["train"]), resolution.world_size)
-    if resume:
-        resume.check(global_batch_size=resolution.global_batch_size)
-
-    run = dpkit.start(
-        resolution,
-        data_seed=train_cfg.seed,
+    run = dpkit.setup(
+        strategy_cfg, model=model, **train_cfg.run_settings(), output_dir=train_cfg.output_dir,
+        configs=(model_cfg, data_cfg, train_cfg), resume=resume, tokenizer=tokenizer,
         step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps
         log_with=None if train_cfg.report_to == "none" else train_cfg.report_to,
-        project_dir=train_cfg.output_dir,
-    )
-    accelerator = run.accelerator
+    )  # fmt: skip
+    schedule = train_cfg.schedule(len(splits["train"]), run.world_size)  # still no process group
+    accelerator = run.accelerator  # the process group starts here
     set_seed(train_cfg.seed, device_specific=True)  # dropout differs across ranks, as in a batch
-    output = dpkit.RunOutput(train_cfg.output_dir, accelerator.is_main_process)
-    output.start(run_config, resume_step=resume.state.step if resume else None)
     train_loader, validation, test = get_dataloaders(
         splits, tokenizer, accelerator, train_cfg.micro_batch_size, model_cfg.max_seq_length
     )
-    model = run.shard_model(model)  # FSDP2: layers sharded over the ranks; else unchanged
     optimizer = run.make_optimizer(
-        dpkit.adamw_param_groups(model, train_cfg.weight_decay),
-        lr=resolution.learning_rate,
+        models.adamw_param_groups(model, train_cfg.weight_decay),
+        lr=run.learning_rate,
         weight_decay=train_cfg.weight_decay,
     )
     lr_scheduler = run.make_scheduler(
         train_cfg.lr_scheduler, optimizer, schedule.warmup_steps, schedule.total_steps
     )
-    model, optimizer, train_loader, validation, test, lr_scheduler = accelerator.prepare(
-        model, optimizer, train_loader, validation, test, lr_scheduler
-    )
-    # A real N-process DDP/ZeRO job, or an error; run_info.json records what runs.
-    info = run.check(model, optimizer, output, schedule=schedule.as_dict())
-    logger.info("%s | %s", model_cfg.model, schedule.describe())
-    checkpoints = dpkit.Checkpointer(
-        accelerator, info, output.path, seed=train_cfg.seed, tokenizer=tokenizer,
-        keep_last=train_cfg.save_total_limit, enabled=train_cfg.save_checkpoints,
+    # Wrapped as the strategy's engine does it (FSDP2 shards each layer); a real N-process
+    # job or an error; run_info.json; a resumed checkpoint restored; memory tracked.
+    model, optimizer, train_loader, validation, test, lr_scheduler = run.prepare(
+        model, optimizer, train_loader, validation, test, lr_scheduler,
+        schedule=schedule.as_dict(),
     )  # fmt: skip
-    position = checkpoints.restore(model, optimizer, lr_scheduler, resume)
+    logger.info("%s | %s", model_cfg.model, schedule.describe())
+    position = run.position
     if train_cfg.report_to != "none":
-        accelerator.init_trackers("dpkit-finetune", config=info.as_dict())
+        accelerator.init_trackers("dpkit-finetune", config=run.info.as_dict())
     metrics = dpkit.ClassifierMetrics(num_labels=len(label_names))
 
     def evaluate(loader, split: str, final: bool = False) -> dict[str, float]:
-        result = metrics.evaluate(accelerator, model, loader)
+        result = metrics.evaluate(run, model, loader)
         record = {"step": position.step, "split": split, **({"final": True} if final else {})}
-        output.append_jsonl("metrics.jsonl", {**record, **result})
+        run.output.append_jsonl("metrics.jsonl", {**record, **result})
         accelerator.log({f"eval/{k}": v for k, v in result.items()}, step=position.step)
         return result
 
     # Train. From here on SIGTERM/SIGINT finish the step, save and exit (dpkit.StepGuard).
-    memory = run.track_memory(model, optimizer, probe_steps=train_cfg.memory_probe_steps)
     guard = dpkit.StepGuard(accelerator)
-    # The log counts skipped (fp16 overflow) steps into `position`, so checkpoints keep the
-    # count, and records where each step's time went (dpkit.StepPhases: data, forward,
-    # backward, grad sync, optimizer, other).
-    log = dpkit.TrainingLog(accelerator, output, total_steps=schedule.total_steps,
-                            logging_steps=train_cfg.logging_steps, position=position,
-                            memory=memory, phases=dpkit.StepPhases(model, optimizer))  # fmt: skip
+    # The log counts skipped (fp16 overflow) steps into the run's position, so checkpoints
+    # keep the count, and records where each step's time went (dpkit.StepPhases: data,
+    # forward, backward, grad sync, optimizer, other).
+    log = dpkit.TrainingLog(run, total_steps=schedule.total_steps,
+                            logging_steps=train_cfg.logging_steps,
+                            phases=dpkit.StepPhases(model, optimizer))  # fmt: skip
     started = time.perf_counter()
     model.train()
     num_epochs = position.epoch if train_cfg.eval_only else schedule.num_epochs
@@ -172,17 +161,17 @@ def main() -> None:
             status = guard.end_step()  # the loss over ranks, and whether any rank must stop
             record = {"step": step, "epoch": epoch, "loss": status.loss, "lr": step_lr}
             log.step(record if grad_norm is None else {**record, "grad_norm": float(grad_norm)})
-            status.raise_if_non_finite(step, checkpoints.last)  # all ranks stop, none saves
-            memory.step_done(step)
+            status.raise_if_non_finite(step, run.checkpoints.last)  # all ranks stop, none saves
+            run.memory.step_done(step)
             if due(step, train_cfg.memory_report_steps):
-                memory.log_report(step)
+                run.memory.log_report(step)
             if due(step, train_cfg.eval_steps):
                 evaluate(validation, "validation")
             if status.stop or (due(step, train_cfg.save_steps) and step < schedule.total_steps):
-                checkpoints.save(model, optimizer, lr_scheduler, position)
+                run.save_checkpoint(model, optimizer, lr_scheduler)
             if status.stop:
                 logger.info(
-                    checkpoints.stop_note(guard.signal_name, position, schedule.total_steps)
+                    run.checkpoints.stop_note(guard.signal_name, position, schedule.total_steps)
                 )
                 accelerator.end_training()
                 raise SystemExit(guard.exit_code)
@@ -193,20 +182,18 @@ def main() -> None:
     log.close()
     train_seconds = time.perf_counter() - started
     if not train_cfg.eval_only:
-        checkpoints.save(model, optimizer, lr_scheduler, position)
+        run.save_checkpoint(model, optimizer, lr_scheduler)
 
     # Report: memory (gathered from every rank), the final evaluations, the model.
-    memory.write_report(output.path / "memory_report.json", step=position.step)
     for split, loader in (("validation", validation), ("test", test)):
         result = evaluate(loader, split, final=True)
         logger.info("final %s: accuracy %.4f | %s %.4f (%d samples)", split, result["accuracy"],
                     metrics.f1_key, result[metrics.f1_key], result["samples"])  # fmt: skip
     logger.info("trained %d steps in %.1f s", position.step - position.first_step,
                 train_seconds)  # fmt: skip
-    if train_cfg.save_model and not train_cfg.eval_only:  # fp32, ZeRO shards gathered (collective)
-        dpkit.save_model(accelerator, model, output.model_dir, tokenizer)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    if train_cfg.save_model and not train_cfg.eval_only:  # fp32, shards gathered (collective)
+        run.save_model(model, run.output.model_dir)
+    run.finish(step=position.step)
 
 
 if __name__ == "__main__":

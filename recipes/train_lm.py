@@ -1,4 +1,4 @@
-"""Train a GPT-2-family causal LM from scratch as DDP, ZeRO-1 or ZeRO-2: the workload of ``dpkit bench``.
+"""Train a GPT-2-family causal LM from scratch as DDP, ZeRO-1, ZeRO-2 or FSDP2: the workload of ``dpkit bench``.
 
 The same script, unchanged, under every launcher (run from the repository root):
 
@@ -7,10 +7,11 @@ The same script, unchanged, under every launcher (run from the repository root):
     accelerate launch --config_file ds_configs/accelerate/zero1.yaml --num_processes 8 recipes/train_lm.py --size gpt2
     deepspeed --num_gpus 8 recipes/train_lm.py --deepspeed ds_configs/zero2.json
     torchrun --nproc_per_node 8 recipes/train_lm.py --strategy zero2 --synthetic
+    torchrun --nproc_per_node 8 recipes/train_lm.py --strategy fsdp2_shard_grad_op
 
 On a machine without CUDA the same commands run the processes on CPU with gloo.
 Default: the ``small`` shape (~23M params) on Shakespeare read as bytes (token
-id = byte value, see ``dpkit/lm_data.py``), micro-batch 4 x 128 tokens, torch
+id = byte value, see ``dpkit/data/lm.py``), micro-batch 4 x 128 tokens, torch
 AdamW under every strategy, dropout 0. ``python recipes/train_lm.py --help``
 lists every flag.
 
@@ -28,6 +29,9 @@ from dataclasses import dataclass, field
 from torch.utils.data import DataLoader
 
 import dpkit
+from dpkit import models
+from dpkit.data import lm as lm_data
+from dpkit.train.output import check_output_dir
 
 logger = logging.getLogger("dpkit.train_lm")
 
@@ -47,7 +51,7 @@ class LMTrainOptions:
             "help": "Walk the tensors during the first N steps only (-1: every step, 0: never)."
         },
     )
-    """The memory probes (``dpkit.MemoryTracker``) run during the first N optimizer steps and are
+    """The memory probes (:class:`dpkit.memory.MemoryTracker`) run during the first N optimizer steps and are
     then removed, keeping their high-waters: model states are the same every step, and later
     steps then time the training alone. -1 probes every step; 0 installs none."""
     logging_steps: int = field(default=1, metadata={"help": "Log every N optimizer steps."})
@@ -75,15 +79,13 @@ class LMTrainOptions:
 
 def main() -> None:
     workload, strategy_cfg, options = dpkit.parse_args(
-        dpkit.LMWorkload, dpkit.StrategyConfig, LMTrainOptions
+        lm_data.LMWorkload, dpkit.StrategyConfig, LMTrainOptions
     )
-    dpkit.log_once_per_job()
-    run_config = dpkit.config_dict(workload, strategy_cfg, options)  # as launched
     # Pre-flight: everything that can be wrong with the input, before any process group.
-    dpkit.check_output_dir(workload.output_dir, overwrite=options.overwrite_output_dir)
-    hf_config = dpkit.lm_config(workload)
-    model = dpkit.build_lm(hf_config, workload.seed)  # the same weights on every rank and run
-    resolution = dpkit.resolve(
+    check_output_dir(workload.output_dir, overwrite=options.overwrite_output_dir)
+    hf_config = lm_data.lm_config(workload)
+    model = lm_data.build_lm(hf_config, workload.seed)  # the same weights on every rank and run
+    run = dpkit.setup(
         strategy_cfg,
         model=model,  # ZeRO's buckets are sized to it
         micro_batch_size=workload.micro_batch_size,
@@ -91,56 +93,51 @@ def main() -> None:
         max_grad_norm=workload.max_grad_norm,
         learning_rate=workload.learning_rate,
         weight_decay=workload.weight_decay,
-    )
-    # Blocks in a fixed seeded order; accelerate hands micro-batch i to rank i % N.
-    dataset = dpkit.token_blocks(workload, hf_config.vocab_size)
-    dpkit.check_enough_blocks(
-        dataset, workload, resolution.world_size, options.gradient_accumulation_steps
-    )
-
-    run = dpkit.start(
-        resolution,
+        output_dir=workload.output_dir,
+        configs=(workload, options),
+        seed=workload.seed,
         data_seed=workload.seed,
+        save_checkpoints=False,
+        memory_probe_steps=options.memory_probe_steps,
         step_scheduler_with_optimizer=False,  # the schedule counts optimizer steps
         log_with=None if options.report_to == "none" else options.report_to,
-        project_dir=workload.output_dir,
     )
-    accelerator = run.accelerator
-    output = dpkit.RunOutput(workload.output_dir, accelerator.is_main_process)
-    output.start(run_config)
+    # Blocks in a fixed seeded order; accelerate hands micro-batch i to rank i % N.
+    dataset = lm_data.token_blocks(workload, hf_config.vocab_size)
+    lm_data.check_enough_blocks(
+        dataset, workload, run.world_size, options.gradient_accumulation_steps
+    )  # still no process group
+    accelerator = run.accelerator  # the process group starts here
     train_loader = DataLoader(dataset, batch_size=workload.micro_batch_size, drop_last=True)
-    model = run.shard_model(model)  # FSDP2: layers sharded over the ranks; else unchanged
     optimizer = run.make_optimizer(
-        dpkit.adamw_param_groups(model, workload.weight_decay),
+        models.adamw_param_groups(model, workload.weight_decay),
         lr=workload.learning_rate,
         weight_decay=workload.weight_decay,
     )
     lr_scheduler = run.make_scheduler("constant", optimizer, 0, workload.max_steps)
-    model, optimizer, train_loader, lr_scheduler = accelerator.prepare(
+    # Wrapped as the strategy's engine does it, checked, recorded, memory tracked.
+    model, optimizer, train_loader, lr_scheduler = run.prepare(
         model, optimizer, train_loader, lr_scheduler
     )
-    info = run.check(model, optimizer, output)  # a real N-process DDP/ZeRO job, or an error
     tokens_per_step = (
         workload.micro_batch_size * workload.seq_len * options.gradient_accumulation_steps
     )
     logger.info(
         "%s (%.1fM params) | %s | %d steps of %d tokens per rank",
         workload.model_config or workload.size,
-        info.num_params / 1e6,
+        run.info.num_params / 1e6,
         "synthetic tokens" if workload.synthetic else "Shakespeare bytes",
         workload.max_steps,
         tokens_per_step,
     )
     if options.report_to != "none":
-        accelerator.init_trackers("dpkit-train-lm", config=info.as_dict())
+        accelerator.init_trackers("dpkit-train-lm", config=run.info.as_dict())
 
     # Train. The step time is the main process's wall time from one optimizer step's
     # end to the next: data, forward, backward, reduction, update and the loss reduce.
-    memory = run.track_memory(model, optimizer, probe_steps=options.memory_probe_steps)
     guard = dpkit.StepGuard(accelerator)
     log = dpkit.TrainingLog(
-        accelerator,
-        output,
+        run,
         total_steps=workload.max_steps,
         logging_steps=options.logging_steps,
         phases=dpkit.StepPhases(model, optimizer),
@@ -180,16 +177,14 @@ def main() -> None:
         )
         status.raise_if_non_finite(step, None)
         # Keep the high-waters, stop walking tensors: the steps after this are timed clean.
-        memory.step_done(step)
+        run.memory.step_done(step)
         if status.stop or step >= workload.max_steps:
             break
         last, last_cpu = time.perf_counter(), time.process_time()
     log.close()
 
     # Memory, gathered from every rank (a collective), reported by the main process.
-    memory.write_report(output.path / "memory_report.json", step=step)
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
+    run.finish(step=step)
     if status.stop:
         raise SystemExit(guard.exit_code)
 

@@ -38,11 +38,15 @@ from transformers import (
 )
 
 import dpkit
+from dpkit import models
+from dpkit.data import classification
 from dpkit.integrations.transformers import (
     MemoryReportCallback,
     StepPhasesCallback,
     deepspeed_config,
     device_arguments,
+    log_once_per_job,
+    metric_dir,
 )
 
 
@@ -111,22 +115,22 @@ def parse_args() -> tuple[ExampleArguments, dict]:
 
 def main() -> None:
     example, training = parse_args()
-    dpkit.log_once_per_job()  # library warnings once per job, not once per rank
+    log_once_per_job()  # library warnings once per job, not once per rank
     datasets.disable_progress_bars()  # one bar: the Trainer's
     transformers.utils.logging.disable_progress_bar()
-    model_path, hf_config = dpkit.load_model_config(example.model)
+    model_path, hf_config = models.load_model_config(example.model)
     data_cfg = dpkit.DataConfig(
         dataset=example.dataset,
         max_train_samples=example.max_train_samples,
         max_eval_samples=example.max_eval_samples,
     )
-    splits, label_names = dpkit.load_data_splits(data_cfg)
+    splits, label_names = classification.load_data_splits(data_cfg)
     splits = data_cfg.truncate(splits)
-    tokenizer = dpkit.load_tokenizer(model_path, example.model, hf_config)
+    tokenizer = models.load_tokenizer(model_path, example.model, hf_config)
     transformers.set_seed(training["seed"])
     model = AutoModelForSequenceClassification.from_pretrained(
         model_path,
-        **dpkit.classifier_labels(label_names, tokenizer),
+        **models.classifier_labels(label_names, tokenizer),
     )
 
     # The two dpkit lines for a Trainer: ZeRO's buckets sized to the model (the config
@@ -142,7 +146,7 @@ def main() -> None:
         batched=True,
         remove_columns=["text"],
     )
-    accuracy = evaluate.load(str(dpkit.metric_dir("accuracy")))
+    accuracy = evaluate.load(str(metric_dir("accuracy")))
 
     def compute_metrics(prediction) -> dict:
         logits, labels = prediction

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from dpkit.train.run_output import read_jsonl
+from dpkit.train.output import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -317,7 +317,7 @@ def score_model_folder(model_dir: Path, samples: int, max_length: int) -> dict:
 _WARM_SERVER = """
 import json, os, runpy, sys, traceback
 import datasets, torch, transformers, accelerate, deepspeed  # noqa: F401
-import dpkit, dpkit.train.resolve  # noqa: F401
+import dpkit, dpkit.train.resolution  # noqa: F401
 print("@warm-recipe " + json.dumps({"ready": os.getpid()}), flush=True)
 for line in sys.stdin:
     request = json.loads(line)

@@ -5,8 +5,8 @@ fp32 reference: the runs behind tests/test_numerics.py (test-only, not shipped).
     python tests/numerics_script.py --reference OUT
 
 Under dpkit the loop is a user's own accelerate loop, as the README shows it:
-``dpkit.setup``, ``run.shard_model``, ``run.make_optimizer``, ``accelerator.prepare``,
-``run.check``, then ``accumulate``/``backward``/clip/step. ``--runs`` lists
+``dpkit.setup``, ``run.make_optimizer``, ``run.prepare`` (FSDP2's sharding, the wrapping
+and the post-wrap checks), then ``accumulate``/``backward``/clip/step. ``--runs`` lists
 ``strategy:precision`` pairs, run one after the other in the same processes (start-up is
 most of a tiny run's cost): the process group stays up, accelerate's singletons are reset
 between runs. The reference shares nothing of that: one process, no dpkit, no accelerate,
@@ -15,8 +15,8 @@ accumulated by hand. Both build the same model and data from the same seeds.
 
 Writes to OUT (a run: OUT/<strategy>-<precision>): ``losses.json`` (per optimizer step,
 the loss averaged over every micro-batch of the global batch; then the trained model's
-loss on the first global batch), a run's ``run_info.json`` (``run.check``'s record) and,
-from the first backward, ``grads-rank<r>.pt``: FSDP2, each rank's fp32 gradient shards
+loss on the first global batch), a run's ``run_info.json`` (``run.info``: what
+``run.prepare`` checked) and, from the first backward, ``grads-rank<r>.pt``: FSDP2, each rank's fp32 gradient shards
 (``{name: local tensor}``); the reference, the whole gradient after the micro-batches a
 2-rank run's first backward covers. FSDP2 in bf16 also writes
 ``plain-bf16-grads-rank<r>.pt``: the rank's own unreduced gradient of the same
@@ -137,10 +137,10 @@ def with_dpkit(out: Path, strategy: str, precision: str) -> Any:
     # accelerate hands micro-batch i to rank i % N: a step's micro-batches over both ranks
     # are the reference's step's.
     loader = DataLoader(list(token_rows()), batch_size=MICRO)
-    model = run.shard_model(model)
+    # Built over the whole parameters: run.prepare moves it onto FSDP2's shards.
     optimizer = run.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    info = run.check(model, optimizer)
+    model, optimizer, loader = run.prepare(model, optimizer, loader)
+    info = run.info
     assert (info.world_size, info.precision) == (RANKS, precision), info
     rank = accelerator.process_index
     losses, step_losses, first_backward = [], [], True

@@ -51,7 +51,7 @@ from dpkit.train.finetune_config import (
     TrainConfig,
     parse_finetune_args,
 )
-from dpkit.train.launch import resolve_precision, resolve_strategy
+from dpkit.train.launcher import read_launch, read_precision
 from tests.harness import REPO, accelerate_cmd, assert_refused, deepspeed_cmd, run
 
 # Small and quick: every case here is refused before any of it matters.
@@ -218,10 +218,10 @@ def _weights_only(tmp: Path) -> str:
     """MiniLM's folder without its tokenizer files (transformers would build an empty one)."""
     import shutil
 
-    from dpkit.models import resolve_model_path
+    from dpkit.models import local_model_path
 
     folder = tmp / "weights-only"
-    shutil.copytree(resolve_model_path("sentence-transformers/all-MiniLM-L6-v2"), folder)
+    shutil.copytree(local_model_path("sentence-transformers/all-MiniLM-L6-v2"), folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         (folder / name).unlink()
     return str(folder)
@@ -410,7 +410,7 @@ def test_malformed_accelerate_yaml(yaml_text, message, tmp_path):
 def test_ds_config_refused(text, message, tmp_path):
     path = _write(tmp_path, "ds.json", text)
     with pytest.raises(UsageError) as err:
-        resolve_strategy("auto", str(path), {})
+        read_launch(StrategyConfig(deepspeed=str(path)), {}, on_cuda=False)
     assert str(err.value).startswith(f"deepspeed config {str(path)!r}: ")
     assert message in str(err.value)
     assert "\n" not in str(err.value)
@@ -435,14 +435,15 @@ def test_valid_deepspeed_keys_are_accepted(tmp_path):
         communication_data_type="fp32",
         prescale_gradients=False,
     )
-    assert resolve_strategy("auto", path, {}).strategy.name == "zero1"
+    launch = read_launch(StrategyConfig(deepspeed=path), {}, on_cuda=False)
+    assert launch.strategy.name == "zero1"
 
 
 def test_fp16_from_the_launcher_on_cpu():
     if _cuda():
         pytest.skip("fp16 is valid with a GPU")
     with pytest.raises(UsageError, match="the launcher's mixed_precision=fp16: needs a CUDA GPU"):
-        resolve_precision(None, {"ACCELERATE_MIXED_PRECISION": "fp16"})
+        read_precision(None, {"ACCELERATE_MIXED_PRECISION": "fp16"}, on_cuda=_cuda())
 
 
 # ---- the command line and the dataclasses ------------------------------------------------------
@@ -607,7 +608,7 @@ def test_data_that_fits_passes(tmp_path):
 
 
 def test_deepspeed_keys_come_from_the_installed_deepspeed():
-    from dpkit.train.ds_config_keys import model_keys, pydantic_sections, top_level_keys
+    from dpkit.engines.deepspeed.config_keys import model_keys, pydantic_sections, top_level_keys
 
     keys = top_level_keys()
     assert keys is not None, "the DeepSpeedConfig probe failed: top-level keys would go unchecked"

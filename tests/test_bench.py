@@ -44,7 +44,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def test_settings_defaults_on_cpu():
-    settings = bench_cli.resolve_settings(_args(), gpu_count=0)
+    settings = bench_cli.bench_settings(_args(), gpu_count=0)
     assert settings["nproc"] == 2
     assert settings["size"] == "small"
     assert settings["strategies"] == [
@@ -52,7 +52,7 @@ def test_settings_defaults_on_cpu():
     ]  # fmt: skip
     assert settings["total_steps"] == settings["warmup_steps"] + settings["timed_steps"]
     assert settings["threads_per_process"] >= 1
-    assert bench_cli.resolve_settings(_args("--nproc", "4"), gpu_count=0)["nproc"] == 4
+    assert bench_cli.bench_settings(_args("--nproc", "4"), gpu_count=0)["nproc"] == 4
 
 
 @pytest.mark.parametrize(
@@ -77,11 +77,11 @@ def test_settings_defaults_on_cpu():
 )
 def test_bad_settings_are_refused_before_launching(argv, message):
     with pytest.raises(UsageError, match=message):
-        bench_cli.resolve_settings(_args(*argv), gpu_count=0)
+        bench_cli.bench_settings(_args(*argv), gpu_count=0)
 
 
 def test_zero_overrides_parse_json_values():
-    settings = bench_cli.resolve_settings(
+    settings = bench_cli.bench_settings(
         _args("--zero-override", "overlap_comm=true", "--zero-override", "reduce_bucket_size=5e8"),
         gpu_count=0,
     )
@@ -89,7 +89,7 @@ def test_zero_overrides_parse_json_values():
 
 
 def test_bf16_reaches_every_training_launch_and_the_checks(tmp_path):
-    settings = bench_cli.resolve_settings(_args("--mixed-precision", "bf16"), gpu_count=0)
+    settings = bench_cli.bench_settings(_args("--mixed-precision", "bf16"), gpu_count=0)
     assert settings["mixed_precision"] == "bf16"
     phases = bench.plan_phases(settings, tmp_path)
     training = [p for p in phases if p.trains]

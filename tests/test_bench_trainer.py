@@ -44,7 +44,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def _settings(*argv: str) -> dict:
-    return bench_cli.resolve_settings(_args("--workload", "classification", *argv), gpu_count=0)
+    return bench_cli.bench_settings(_args("--workload", "classification", *argv), gpu_count=0)
 
 
 # ---- in process ------------------------------------------------------------------------------
@@ -57,7 +57,7 @@ def test_classification_defaults_are_the_issue_job():
     assert (settings["micro_batch_size"], settings["seq_len"]) == (32, 128)
     assert settings["size"] is None
     # The LM workload keeps its own defaults.
-    lm = bench_cli.resolve_settings(_args(), gpu_count=0)
+    lm = bench_cli.bench_settings(_args(), gpu_count=0)
     assert (lm["workload"], lm["repeats"], lm["micro_batch_size"]) == ("lm", 1, 4)
 
 

@@ -12,18 +12,19 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from dpkit.data.classification import load_classification_splits
+from dpkit.engines.deepspeed.config import optimizer_offload
 from dpkit.errors import UsageError
 from dpkit.memory.report import MemoryReport
-from dpkit.models import load_tokenizer, max_positions, resolve_model_path
-from dpkit.train.deepspeed_config import optimizer_offload
+from dpkit.models import load_tokenizer, local_model_path, max_positions
 from dpkit.train.evaluation import ClassifierMetrics
 from dpkit.train.finetune_config import TrainConfig
-from dpkit.train.launch import check_accelerate_settings, resolve_strategy
-from dpkit.train.run_output import check_output_dir
+from dpkit.train.launcher import check_accelerate_settings, read_launch
+from dpkit.train.output import check_output_dir
 from tests.harness import REPO
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -173,7 +174,7 @@ def test_a_folder_holding_only_a_failed_start_is_reusable(tmp_path):
 
 def test_a_model_folder_without_tokenizer_files_is_refused(tmp_path):
     folder = tmp_path / "weights-only"
-    shutil.copytree(resolve_model_path(MINILM), folder)
+    shutil.copytree(local_model_path(MINILM), folder)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "special_tokens_map.json"):
         (folder / name).unlink(missing_ok=True)
     from transformers import AutoConfig
@@ -277,4 +278,6 @@ def test_accelerate_settings_that_would_be_dropped_are_refused(env, message):
 def test_a_deepspeed_file_under_accelerate_without_deepspeed_is_refused():
     env = {"ACCELERATE_DYNAMO_BACKEND": "NO", "WORLD_SIZE": "2"}
     with pytest.raises(UsageError, match="--deepspeed='z.json' conflicts with accelerate launch"):
-        resolve_strategy("auto", "z.json", env)
+        # The raw flags: the file is never read (StrategyConfig would first look for it).
+        flags = SimpleNamespace(strategy="auto", deepspeed="z.json", mixed_precision=None)
+        read_launch(flags, env, on_cuda=False)

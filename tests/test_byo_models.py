@@ -157,7 +157,7 @@ model = torch.nn.ModuleDict({"backbone": torch.nn.Linear(8, 8), "pooler": torch.
                              "head": torch.nn.Linear(8, 1)})
 run = dpkit.setup(args, model=model, micro_batch_size=4)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-prepared, optimizer = run.accelerator.prepare(model, optimizer)
+prepared, optimizer = run.prepare(model, optimizer)
 inputs = torch.randn(4, 8, generator=torch.Generator().manual_seed(run.accelerator.process_index))
 losses = []
 for step in range(3):

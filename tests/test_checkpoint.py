@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from dpkit.checkpoints import folder, resume
 from dpkit.errors import UsageError
-from dpkit.train import checkpoint
 from tests.checkpoint_runs import (
     CK_RUN,
     LOGS_ONLY,
@@ -154,15 +154,15 @@ def test_resume_restores_the_saved_optimizer_state_exactly(
 
 def test_checkpoints_are_complete_and_rotated(reference):
     ref = reference("ddp_accumulation")
-    kept = checkpoint.list_checkpoints(ref.output_dir)
+    kept = folder.list_checkpoints(ref.output_dir)
     assert [p.name for p in kept] == [f"step-00000{i}" for i in (3, 4, 5, 6)]
     assert not list((ref.output_dir / "checkpoints").glob(".tmp-*"))
     for path in kept:
-        state = checkpoint.verify_checkpoint(path)
+        state = folder.verify_checkpoint(path)
         assert state.global_batch_size == 32
         assert (state.micro_batch_size, state.gradient_accumulation_steps) == (8, 2)
     # The last step of an epoch resumes at the start of the next one.
-    epoch_end = checkpoint.verify_checkpoint(kept[1])
+    epoch_end = folder.verify_checkpoint(kept[1])
     assert (epoch_end.step, epoch_end.epoch, epoch_end.samples_in_epoch) == (4, 1, 0)
 
 
@@ -192,7 +192,7 @@ def test_truncated_checkpoint_is_refused_before_anything_starts(reference, tmp_p
     with pytest.raises(
         UsageError, match=rf"optimizer.pt is {size // 2} bytes, the manifest says {size}"
     ):
-        checkpoint.verify_checkpoint(broken)
+        folder.verify_checkpoint(broken)
     out = tmp_path / "run"
     result = run(
         python_cmd(*CK_RUN, "--micro-batch-size", "16", "--gradient-accumulation-steps", "2",
@@ -218,7 +218,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_p
     (ckpts / "step-000006").rename(partial)
     (partial / "manifest.json").unlink()  # the manifest is written last
     (partial / "optimizer.pt").unlink()
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step-000003"]
+    assert [p.name for p in folder.list_checkpoints(run_dir)] == ["step-000003"]
     ref_log = (run_dir / "train_log.jsonl").read_text().splitlines()
     resumed = run(
         accelerate_cmd(
@@ -246,22 +246,22 @@ def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_p
     # The final evaluation sees the same weights.
     assert resumed.final("test")["accuracy"] == ref.final("test")["accuracy"]
     # The new save replaced the partial folder.
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["step-000003", "step-000006"]
+    assert [p.name for p in folder.list_checkpoints(run_dir)] == ["step-000003", "step-000006"]
     assert not list(ckpts.glob(".tmp-*"))
 
 
 def test_resume_refusals_name_the_problem(reference, tmp_path):
     empty = tmp_path / "fresh"
     with pytest.raises(UsageError, match=r"--resume=latest: no checkpoint under .*--resume auto"):
-        checkpoint.resolve_resume("latest", str(empty))
-    assert checkpoint.resolve_resume("auto", str(empty)) is None
+        resume.find_resume("latest", str(empty))
+    assert resume.find_resume("auto", str(empty)) is None
     with pytest.raises(UsageError, match=r"no such checkpoint folder"):
-        checkpoint.resolve_resume(str(tmp_path / "nope"), str(empty))
+        resume.find_resume(str(tmp_path / "nope"), str(empty))
     with pytest.raises(UsageError, match=r"not a complete dpkit checkpoint \(no manifest.json"):
-        checkpoint.resolve_resume(str(REPO / "ds_configs"), str(empty))
-    path, state = checkpoint.resolve_resume(str(step3(reference("zero2"))), str(empty))
+        resume.find_resume(str(REPO / "ds_configs"), str(empty))
+    path, state = resume.find_resume(str(step3(reference("zero2"))), str(empty))
     with pytest.raises(UsageError, match=r"written with global batch 32, this run's is 64"):
-        checkpoint.check_resumable(state, path, global_batch_size=64)
+        resume.check_resumable(state, path, global_batch_size=64)
 
 
 def test_dpkit_checkpoint_consolidates_to_its_model_files(reference, tmp_path):

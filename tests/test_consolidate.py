@@ -25,15 +25,15 @@ ZERO2_SCRIPT = textwrap.dedent(
     from deepspeed.utils import safe_get_full_fp32_param
     from safetensors.torch import save_file
     from transformers import AutoModelForSequenceClassification
-    from dpkit.models import resolve_model_path
-    from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
+    from dpkit.models import local_model_path
+    from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
 
     out = sys.argv[-1]  # the deepspeed launcher puts --local_rank=N first
     skip_deepspeed_cpu_shm_op()
     deepspeed.init_distributed("gloo")
     torch.manual_seed(0)
     model = AutoModelForSequenceClassification.from_pretrained(
-        resolve_model_path("sentence-transformers/all-MiniLM-L6-v2"), num_labels=3
+        local_model_path("sentence-transformers/all-MiniLM-L6-v2"), num_labels=3
     )
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
               "zero_optimization": {"stage": 2}}

@@ -29,8 +29,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dpkit.checkpoints.state import TorchLossScaler
+from dpkit.engines.deepspeed.checkpoint import DeepSpeedLossScaler
 from dpkit.errors import training_failure
-from dpkit.train.full_state import LossScaler
+from dpkit.strategy import DDP, ZERO2
 
 
 def _deepspeed_scaler(init_scale: float, min_scale: float, *, scale_window: int = 1000,
@@ -143,6 +145,21 @@ def _with_grad_scaler(accelerator, init_scale: float, growth_interval: int):
     return accelerator.scaler
 
 
+def _run(accelerator, output, position, info=None, strategy=DDP) -> SimpleNamespace:
+    """What TrainingLog and Checkpointer read of a prepared :class:`dpkit.Run`, from the
+    pieces the test builds itself: its Accelerator (with the CPU GradScaler), its folder,
+    where training stands (``position``), what runs (``info``) and the strategy's engine."""
+    return SimpleNamespace(
+        accelerator=accelerator,
+        output=output,
+        position=position,
+        info=info,
+        strategy=strategy,
+        engine=strategy.engine,
+        memory=None,
+    )
+
+
 def _train(accelerator, model, optimizer, overflows: list[bool]) -> Iterator[None]:
     """One optimizer step per entry, yielding after each; True puts an inf in every
     gradient (what an fp16 overflow is), so the GradScaler skips the update."""
@@ -155,9 +172,9 @@ def _train(accelerator, model, optimizer, overflows: list[bool]) -> Iterator[Non
 
 
 def test_skipped_steps_are_logged_recorded_and_counted(accelerator, tmp_path, caplog):
-    from dpkit.train.checkpointer import Position
+    from dpkit.checkpoints.checkpointer import Position
+    from dpkit.train.output import RunOutput, read_jsonl
     from dpkit.train.progress import TrainingLog
-    from dpkit.train.run_output import RunOutput, read_jsonl
 
     _with_grad_scaler(accelerator, init_scale=1024.0, growth_interval=3)
     model = torch.nn.Linear(4, 1)
@@ -165,7 +182,7 @@ def test_skipped_steps_are_logged_recorded_and_counted(accelerator, tmp_path, ca
     output = RunOutput(str(tmp_path), is_main_process=True)
     output.start({})
     position = Position(step=10, skipped_steps=1)  # resumed at step 10, one skip before
-    log = TrainingLog(accelerator, output, total_steps=16, logging_steps=100, position=position)
+    log = TrainingLog(_run(accelerator, output, position), total_steps=16, logging_steps=100)
     overflows = [False, False, True, False, True, False]
     with caplog.at_level(logging.INFO, logger="dpkit"):
         for step, _ in enumerate(_train(accelerator, model, optimizer, overflows), start=11):
@@ -193,14 +210,15 @@ def test_skipped_steps_are_logged_recorded_and_counted(accelerator, tmp_path, ca
 
 
 def test_no_loss_scaling_adds_nothing(accelerator, tmp_path, caplog):
+    from dpkit.checkpoints.checkpointer import Position
+    from dpkit.train.output import RunOutput, read_jsonl
     from dpkit.train.progress import TrainingLog
-    from dpkit.train.run_output import RunOutput, read_jsonl
 
     model = torch.nn.Linear(4, 1)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     output = RunOutput(str(tmp_path), is_main_process=True)
     output.start({})
-    log = TrainingLog(accelerator, output, total_steps=2, logging_steps=100)
+    log = TrainingLog(_run(accelerator, output, Position()), total_steps=2, logging_steps=100)
     with caplog.at_level(logging.INFO, logger="dpkit"):
         for step, _ in enumerate(_train(accelerator, model, optimizer, [False, False]), 1):
             log.step({"step": step, "loss": 0.5})
@@ -217,8 +235,8 @@ def test_no_loss_scaling_adds_nothing(accelerator, tmp_path, caplog):
 def test_grad_scaler_and_skipped_count_survive_a_checkpoint(accelerator, tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dpkit.train.checkpoint import resolve_resume
-    from dpkit.train.checkpointer import Checkpointer, Position
+    from dpkit.checkpoints.checkpointer import Checkpointer, Position
+    from dpkit.checkpoints.resume import find_resume as resolve_resume
     from dpkit.train.run import RunInfo
 
     info = RunInfo(
@@ -242,8 +260,9 @@ def test_grad_scaler_and_skipped_count_survive_a_checkpoint(accelerator, tmp_pat
     # By hand: the overflow halved 1024 and reset the tracker; two clean steps since.
     assert (saved["scale"], saved["_growth_tracker"]) == (512.0, 2)
     out = tmp_path / "run"
-    Checkpointer(accelerator, info, out, seed=0).save(
-        model, optimizer, None, Position(step=4, skipped_steps=1)
+    saved_at = Position(step=4, skipped_steps=1)
+    Checkpointer(_run(accelerator, None, saved_at, info), out, seed=0).save(
+        model, optimizer, None, saved_at
     )
 
     # A new run: a fresh scaler at its initial state, the model from the checkpoint.
@@ -252,7 +271,8 @@ def test_grad_scaler_and_skipped_count_survive_a_checkpoint(accelerator, tmp_pat
     resume = resolve_resume("latest", str(out))
     model = GPT2LMHeadModel.from_pretrained(resume.path)
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    position = Checkpointer(accelerator, info, out, seed=0).restore(model, optimizer, None, resume)
+    checkpoints = Checkpointer(_run(accelerator, None, None, info), out, seed=0)
+    position = checkpoints.restore(model, optimizer, None, resume)
     assert position.skipped_steps == 1
     restored = fresh.state_dict()
     assert (restored["scale"], restored["_growth_tracker"]) == (512.0, 2)
@@ -276,12 +296,16 @@ def test_deepspeed_scaler_state_round_trip_continues_exactly(rank0):
     original, restored, fresh = (_deepspeed_scaler(**kwargs) for _ in range(3))
     for overflow in (True, True, True, False, False, True):
         original.update_scale(overflow)
-    state = json.loads(json.dumps(LossScaler(original).state_dict()))  # as the file holds it
+    state = json.loads(
+        json.dumps(DeepSpeedLossScaler(original).state_dict())
+    )  # as the file holds it
     assert state["kind"] == "deepspeed"
-    LossScaler(restored).load_state_dict(state)
+    DeepSpeedLossScaler(restored).load_state_dict(state)
     for name in ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis"):
         assert getattr(restored, name) == getattr(original, name), name
-    assert LossScaler(restored).growth_tracker == LossScaler(original).growth_tracker
+    assert (
+        DeepSpeedLossScaler(restored).growth_tracker == DeepSpeedLossScaler(original).growth_tracker
+    )
 
     def trajectory(scaler) -> list[float]:
         scales = []
@@ -296,9 +320,9 @@ def test_deepspeed_scaler_state_round_trip_continues_exactly(rank0):
 
 
 def test_deepspeed_scale_is_kept_at_or_above_the_runs_minimum():
-    saved = LossScaler(_deepspeed_scaler(init_scale=0.5, min_scale=0.25)).state_dict()
+    saved = DeepSpeedLossScaler(_deepspeed_scaler(init_scale=0.5, min_scale=0.25)).state_dict()
     stricter = _deepspeed_scaler(init_scale=2.0**16, min_scale=1)
-    LossScaler(stricter).load_state_dict(saved)
+    DeepSpeedLossScaler(stricter).load_state_dict(saved)
     assert stricter.cur_scale == 1
 
 
@@ -308,7 +332,9 @@ def test_scale_carries_across_libraries_but_not_the_growth_count(rank0):
     for _ in range(5):
         deepspeed_scaler.update_scale(False)
     grad_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    note = LossScaler(grad_scaler).load_state_dict(LossScaler(deepspeed_scaler).state_dict())
+    note = TorchLossScaler(grad_scaler).load_state_dict(
+        DeepSpeedLossScaler(deepspeed_scaler).state_dict()
+    )
     assert grad_scaler.get_scale() == 512.0
     assert grad_scaler.state_dict()["_growth_tracker"] == 0
     assert "written by deepspeed" in note
@@ -325,10 +351,11 @@ def test_of_finds_deepspeeds_dynamic_scaler_and_ignores_its_static_one():
         return SimpleNamespace(scaler=None, deepspeed_engine_wrapped=wrapped)
 
     dynamic = _deepspeed_scaler(init_scale=2.0**16, min_scale=1)
-    found = LossScaler.of(accelerator_with(dynamic))
+    # The DeepSpeed engine finds the run's scaler (TrainingLog and checkpoints ask it).
+    found = ZERO2.engine.loss_scaler(accelerator_with(dynamic))
     assert found is not None and found.kind == "deepspeed" and found.scale == 2.0**16
     # bf16 and fp32 ZeRO keep a static scaler of 1.0: nothing to log or save.
-    assert LossScaler.of(accelerator_with(StaticLossScaler(scale=1))) is None
+    assert ZERO2.engine.loss_scaler(accelerator_with(StaticLossScaler(scale=1))) is None
 
 
 # ---------------------------------------------------------------------------
@@ -349,13 +376,14 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from transformers import GPT2Config, GPT2LMHeadModel
     from dpkit.errors import training_failure
-    from dpkit.train.checkpoint import resolve_resume
-    from dpkit.train.checkpointer import Checkpointer, Position
-    from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
-    from dpkit.train.full_state import LossScaler
+    from types import SimpleNamespace
+    from dpkit.checkpoints.resume import find_resume as resolve_resume
+    from dpkit.checkpoints.checkpointer import Checkpointer, Position
+    from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
+    from dpkit.strategy import ZERO2
     from dpkit.train.progress import TrainingLog
     from dpkit.train.run import RunInfo, log_once_per_job
-    from dpkit.train.run_output import RunOutput, read_jsonl
+    from dpkit.train.output import RunOutput, read_jsonl
 
     FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
     out = Path(sys.argv[1])
@@ -373,14 +401,22 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
     model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     engine = acc.deepspeed_engine_wrapped.engine
-    report = {"static_found": LossScaler.of(acc) is not None}
+    report = {"static_found": ZERO2.engine.loss_scaler(acc) is not None}
     engine.optimizer.loss_scaler = DynamicLossScaler(
         init_scale=1024, scale_window=1000, min_scale=1, delayed_shift=1,
         consecutive_hysteresis=False, dtype=torch.half)
     output = RunOutput(str(out), True)
     output.start({})
     position = Position()
-    log = TrainingLog(acc, output, total_steps=4, logging_steps=100, position=position)
+    info = RunInfo(strategy="zero2", strategy_source="test", distributed_type="DEEPSPEED",
+                   world_size=1, backend="gloo", device="cpu", wrapper="DeepSpeedEngine",
+                   zero_stage=2, precision="fp16", micro_batch_size=2,
+                   gradient_accumulation_steps=1, global_batch_size=2, learning_rate=1e-3,
+                   num_params=0)
+    # What TrainingLog and Checkpointer read of a prepared dpkit.Run, from these pieces.
+    run = SimpleNamespace(accelerator=acc, output=output, position=position, info=info,
+                          strategy=ZERO2, engine=ZERO2.engine, memory=None)
+    log = TrainingLog(run, total_steps=4, logging_steps=100)
     tokens = torch.arange(8).reshape(2, 4)
     for step, overflow in enumerate([False, True, False, True], 1):
         loss = model(tokens, labels=tokens).loss * (float("inf") if overflow else 1.0)
@@ -391,12 +427,7 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
         log.step({"step": step, "loss": 0.5})
     log.close()
     report["engine_skipped_steps"] = engine.skipped_steps
-    info = RunInfo(strategy="zero2", strategy_source="test", distributed_type="DEEPSPEED",
-                   world_size=1, backend="gloo", device="cpu", wrapper="DeepSpeedEngine",
-                   zero_stage=2, precision="fp16", micro_batch_size=2,
-                   gradient_accumulation_steps=1, global_batch_size=2, learning_rate=1e-3,
-                   num_params=0)
-    checkpoints = Checkpointer(acc, info, out, seed=0)
+    checkpoints = Checkpointer(run, out, seed=0)
     report["saved"] = {k: getattr(engine.optimizer.loss_scaler, k) for k in FIELDS}
     checkpoints.save(model, opt, None, position)
     report["files"] = sorted(p.name for p in checkpoints.last.iterdir())
@@ -421,7 +452,7 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
 
 
 def test_zero2_engine_skips_counts_checkpoints_and_stops_at_min_scale(tmp_path):
-    from dpkit.train.run_output import read_jsonl
+    from dpkit.train.output import read_jsonl
     from tests.harness import REPO, free_port, launch_env
 
     script = tmp_path / "zero2_fp16_scaler.py"

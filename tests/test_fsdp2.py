@@ -14,16 +14,17 @@ reduced in fp32 (which one rank cannot show), are tests/test_numerics.py's.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from dpkit.engines.fsdp2.shard import layer_classes
 from dpkit.errors import UsageError
 from dpkit.strategy import FSDP2_FULL_SHARD, FSDP2_SHARD_GRAD_OP
 from dpkit.train.config import StrategyConfig
-from dpkit.train.fsdp2 import layer_classes
-from dpkit.train.launch import resolve_strategy
-from dpkit.train.resolve import resolve
+from dpkit.train.launcher import read_launch
+from dpkit.train.resolution import resolve
 from tests.checkpoint_runs import LOGS_ONLY, REFERENCES, launch_ck, step3
 from tests.harness import (
     FSDP2_RTOL,
@@ -44,6 +45,13 @@ PLAN_TOLERANCE_PCT = 0.01
 # ---- resolution and refusals, in process ---------------------------------------------------
 
 
+def launch_of(flag: str, deepspeed: str | None, env: dict[str, str]):
+    """What ``read_launch`` decides from the raw flags and the launcher's environment, on a
+    CPU box."""
+    args = SimpleNamespace(strategy=flag, deepspeed=deepspeed, mixed_precision=None)
+    return read_launch(args, env, on_cuda=False)
+
+
 def _accelerate_fsdp_env(**settings: str) -> dict[str, str]:
     """What ``accelerate launch`` with an FSDP YAML puts in the environment."""
     env = {
@@ -61,12 +69,13 @@ def _accelerate_fsdp_env(**settings: str) -> dict[str, str]:
     [("true", FSDP2_FULL_SHARD), ("false", FSDP2_SHARD_GRAD_OP), ("SHARD_GRAD_OP", FSDP2_SHARD_GRAD_OP)],
 )  # fmt: skip
 def test_an_accelerate_fsdp2_yaml_picks_the_mode(reshard, expected):
-    choice = resolve_strategy(
-        "auto", None, _accelerate_fsdp_env(FSDP_RESHARD_AFTER_FORWARD=reshard)
-    )
+    choice = launch_of("auto", None, _accelerate_fsdp_env(FSDP_RESHARD_AFTER_FORWARD=reshard))
     assert choice.strategy is expected
-    assert choice.ds_config_path is None and choice.expected_world_size == 2
-    assert expected.uses_fsdp2 and not expected.keeps_fp32_master
+    assert choice.config_path is None and choice.world_size == 2
+    assert expected.engine.name == "fsdp2"
+    # No fp32 master copy beside the module's own fp32 shards, even under bf16.
+    states = expected.engine.model_state_bytes(expected, 1000.0, 2, "bf16", "adamw", None)
+    assert states.master == 0
     assert expected.reshard_after_forward == (expected is FSDP2_FULL_SHARD)
 
 
@@ -95,7 +104,7 @@ def test_shipped_fsdp2_yamls_name_their_mode():
 )  # fmt: skip
 def test_fsdp_launches_dpkit_cannot_honour_are_refused(strategy_flag, deepspeed, settings, message):
     with pytest.raises(UsageError) as refused:
-        resolve_strategy(strategy_flag, deepspeed, _accelerate_fsdp_env(**settings))
+        launch_of(strategy_flag, deepspeed, _accelerate_fsdp_env(**settings))
     assert message in str(refused.value)
     assert "\n" not in str(refused.value)
 
@@ -103,8 +112,8 @@ def test_fsdp_launches_dpkit_cannot_honour_are_refused(strategy_flag, deepspeed,
 def test_fsdp2_flag_runs_under_plain_launchers():
     """dpkit shards the model itself: torchrun or accelerate without a YAML run it."""
     for env in ({"WORLD_SIZE": "2"}, {"WORLD_SIZE": "2", "ACCELERATE_DYNAMO_BACKEND": "NO"}):
-        choice = resolve_strategy("fsdp2_shard_grad_op", None, env)
-        assert choice.strategy is FSDP2_SHARD_GRAD_OP and choice.ds_config_path is None
+        choice = launch_of("fsdp2_shard_grad_op", None, env)
+        assert choice.strategy is FSDP2_SHARD_GRAD_OP and choice.config_path is None
 
 
 class _Block(torch.nn.Module):
@@ -170,8 +179,9 @@ def test_a_model_without_a_layer_list_is_refused_before_any_process_group():
     # Named by the user, the same model resolves.
     named = StrategyConfig(strategy="fsdp2_full_shard", fsdp_layer_classes="Linear")
     resolution = resolve(named, model=_NoLayers(), micro_batch_size=2, env={})
-    assert resolution.fsdp_layer_classes == ("Linear",)
-    assert resolution.ds_config is None and resolution.ddp_kwargs == {}
+    assert resolution.settings.layer_classes == ("Linear",)
+    # No DeepSpeed config, no DDP kwargs: FSDP2's settings only.
+    assert resolution.settings.config is None and not hasattr(resolution.settings, "kwargs")
 
 
 def test_fsdp2_settings_on_other_strategies_are_refused():
@@ -320,7 +330,7 @@ def test_fsdp2s_export_loads_with_from_pretrained_and_scores_the_same(reference)
     assert scored["loss"] == pytest.approx(final["loss"], rel=1e-5)
 
 
-# ---- one process, a one-rank mesh: what run.shard_model leaves, and what run.check refuses --
+# ---- one process, a one-rank mesh: what run.prepare shards, and what its checks refuse ------
 
 _ONE_RANK_SCRIPT = """
 import json, torch
@@ -336,19 +346,24 @@ found = {}
 args = dpkit.StrategyConfig(strategy="fsdp2_shard_grad_op", mixed_precision="bf16")
 gpt2 = model()
 run = dpkit.setup(args, model=gpt2, micro_batch_size=2)
-unsharded_optimizer = torch.optim.AdamW(gpt2.parameters())
-sharded = run.shard_model(gpt2)
+whole_params = list(gpt2.parameters())  # what fully_shard replaces by shards
+# Built over the whole parameters, as a plain script builds it: prepare moves it onto the shards.
+optimizer = torch.optim.AdamW(gpt2.parameters())
+model_, optimizer = run.prepare(gpt2, optimizer)
+found["wrapper"] = run.info.wrapper
+found["optimizer_on_shards"] = [id(p) for g in optimizer.param_groups for p in g["params"]] == [
+    id(p) for p in model_.parameters()
+]
+# The checks prepare runs after wrapping (engine.after_prepare), on the two mistakes they
+# turn into errors: an optimizer over the model's unsharded parameters, a model not sharded.
 try:
-    run.check(sharded, unsharded_optimizer)
+    run.engine.after_prepare(run, model_, torch.optim.AdamW(whole_params))
 except RuntimeError as err:
     found["optimizer_first"] = str(err)
 try:
-    run.check(model(), torch.optim.AdamW(model().parameters()))
+    run.engine.after_prepare(run, model(), torch.optim.AdamW(model().parameters()))
 except RuntimeError as err:
     found["not_sharded"] = str(err)
-optimizer = torch.optim.AdamW(sharded.parameters())
-model_, optimizer = run.accelerator.prepare(sharded, optimizer)
-found["wrapper"] = run.check(model_, optimizer).wrapper
 ids = torch.randint(0, 64, (2, 8))
 dtypes = []
 handle = model_.transformer.h[0].mlp.c_fc.register_forward_hook(
@@ -367,11 +382,11 @@ model_.eval()
 with torch.no_grad():
     model_(input_ids=ids)
 def whole():
-    buffers = walk(model_, optimizer)["holders"].get("buffers", {})
+    buffers = walk(run.engine, model_, optimizer)["holders"].get("buffers", {})
     return buffers.get("whole parameters (FSDP2 all-gather output)", 0.0)
 
 found["whole_after_eval"] = whole()
-dpkit.train.fsdp2.reshard(model_)
+run.evaluation_done(model_)
 found["whole_after_reshard"] = whole()
 run.accelerator.end_training()
 print(json.dumps(found))
@@ -381,9 +396,10 @@ print(json.dumps(found))
 def test_one_rank_fsdp2_in_bf16_and_what_check_refuses():
     """``python script.py --strategy fsdp2_*``: a one-rank mesh (dpkit's rendezvous), bf16
     through FSDP2's MixedPrecisionPolicy (bf16 compute, fp32 shards and gradients; the fp32
-    reduction needs two ranks to be seen: tests/test_numerics.py), the two
-    mistakes run.check turns into errors, and the whole parameters an evaluation leaves
-    under shard-grad-op, given back by reshard."""
+    reduction needs two ranks to be seen: tests/test_numerics.py), run.prepare moving an
+    optimizer built over the whole parameters onto the shards, the two mistakes its
+    post-wrap checks turn into errors, and the whole parameters an evaluation leaves
+    under shard-grad-op, given back by run.evaluation_done."""
     import sys
 
     from tests.harness import run_captured
@@ -391,9 +407,10 @@ def test_one_rank_fsdp2_in_bf16_and_what_check_refuses():
     done = run_captured([sys.executable, "-c", _ONE_RANK_SCRIPT])
     assert done.returncode == 0, done.stderr[-3000:]
     found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["optimizer_on_shards"] is True
     assert found["optimizer_first"] == (
         "the optimizer holds the model's unsharded parameters: build it after "
-        "run.shard_model(model)"
+        "the model is sharded (run.prepare does both in order)"
     )
     assert found["not_sharded"].startswith("FSDP2 was asked for but the model is not sharded")
     assert found["wrapper"] == "FSDP2 fully_shard (3 units)+AdamW"  # two GPT2Blocks, the root

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from dpkit.errors import EXIT_USAGE, UsageError
 from dpkit.train import guards, run
 from dpkit.train.guards import nccl_timeout_notice
-from dpkit.train.launch import check_ranks_per_gpu, local_process_count
+from dpkit.train.launcher import check_ranks_per_gpu, local_process_count
 from tests.conftest import hides_gpus
 
 EIGHT_ON_ONE = (
@@ -81,7 +81,7 @@ def test_start_refuses_before_any_process_group_with_one_line_and_exit_2(monkeyp
     monkeypatch.setattr(guards, "exit_process", code_instead_of_exit)
     resolution = SimpleNamespace(backend="nccl", collective_timeout_s=600.0)
     with pytest.raises(SystemExit) as exited:
-        guards.run_and_exit(lambda: run.start(resolution))
+        guards.run_and_exit(lambda: run.start_accelerator(resolution))
     assert exited.value.code == EXIT_USAGE == 2
     assert not dist.is_initialized()
     assert capsys.readouterr().err == f"{Path(sys.argv[0]).name}: error: {EIGHT_ON_ONE}\n"

@@ -58,7 +58,7 @@ def test_launch_form_runs_what_it_says(launched, name):
             == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world_size
         )
         assert "auto" not in str(ds)
-        # Memory settings sized to the model (dpkit.memory.settings): MiniLM's hidden^2
+        # Memory settings sized to the model (dpkit.engines.deepspeed.settings): MiniLM's hidden^2
         # (147,456) is under the floor of 2^21 elements.
         assert ds["zero_optimization"]["reduce_bucket_size"] == 2**21
         # MiniLM's word embedding (30,522 x 384 = 11.7M elements) is larger than the bucket
@@ -116,7 +116,7 @@ def test_run_config_records_the_launchers_environment_not_accelerates(launched):
     assert config["launcher_env"]["WORLD_SIZE"] == "2"
 
 
-# Tolerances, argued from measurements (../shared/STACK-NOTES.md and these runs):
+# Tolerances, argued from measurements (docs/stack-notes.md, "What the bare stack does", and these runs):
 # DeepSpeed stages 1 and 2 run the same fp32 reduction and the same optimizer on
 # the same partitions, so they agree to float rounding (bare stack: ~1e-7
 # relative). Torch DDP reduces gradients in other buckets and orders, so its

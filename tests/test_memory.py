@@ -19,13 +19,18 @@ import pytest
 import torch
 
 from dpkit import memory
-from dpkit.memory import settings as memory_settings
+from dpkit.engines.ddp import settings as ddp_settings
+from dpkit.engines.deepspeed import settings as memory_settings
+from dpkit.engines.deepspeed.memory import straddling_params
 from dpkit.memory.report import MemoryReport, error_pct
 from dpkit.memory.tracker import MemoryTracker, count_params
-from dpkit.memory.walk import Ledger, straddling_params, walk
+from dpkit.memory.walk import Ledger, walk
+from dpkit.strategy import get_strategy
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = SimpleNamespace(process_index=0, device=torch.device("cpu"))
+# A plain module and a torch optimizer are walked by the engine that runs them (DDP's).
+TORCH = get_strategy("ddp").engine
 
 
 def _nbytes(params) -> float:
@@ -69,7 +74,7 @@ def test_ledger_counts_a_shared_storage_once_by_its_size():
 def test_tied_weights_counted_once_in_params_and_count_params():
     model = TiedModel()
     unique = {id(p): p for p in model.parameters()}.values()
-    snap = walk(model, None)
+    snap = walk(TORCH, model, None)
     assert snap["params"] == _nbytes(unique)
     assert count_params(model) == sum(p.numel() for p in unique)
     assert snap["holders"]["buffers"]["module_buffers"] == 8 * 8  # int64 positions
@@ -79,7 +84,7 @@ def test_plain_module_with_adamw_after_a_step():
     model = TiedModel()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _train_step(model, opt, zero_grad=False)
-    snap = walk(model, opt)
+    snap = walk(TORCH, model, opt)
     param_bytes = _nbytes(model.parameters())
     assert snap["params"] == param_bytes
     assert snap["grads"] == param_bytes
@@ -327,8 +332,8 @@ _WORLD_OF_ONE = textwrap.dedent(
 
     strategy, bucket_view, missing = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
     if missing:  # what a DeepSpeed without this method looks like to the probes
-        from dpkit.memory import probes
-        probes.ZERO_PROBE_POINTS = (*probes.ZERO_PROBE_POINTS, (missing, "renamed", 1))
+        from dpkit.engines.deepspeed import memory as zero_memory
+        zero_memory.ZERO_PROBE_POINTS = (*zero_memory.ZERO_PROBE_POINTS, (missing, "renamed", 1))
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 4))
     handlers = [InitProcessGroupKwargs(backend="gloo")]
@@ -336,9 +341,9 @@ _WORLD_OF_ONE = textwrap.dedent(
     if strategy == "ddp":
         handlers.append(DistributedDataParallelKwargs(gradient_as_bucket_view=bucket_view))
     else:
-        # As every dpkit run does (dpkit.train.deepspeed_config): the CPU shared-memory
+        # As every dpkit run does (dpkit.engines.deepspeed.config): the CPU shared-memory
         # all-reduce op is never used in training, and building it costs ~40 s.
-        from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
+        from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
         skip_deepspeed_cpu_shm_op()
         plugin = DeepSpeedPlugin(hf_ds_config={
             "train_micro_batch_size_per_gpu": 4, "train_batch_size": 4,
@@ -449,7 +454,7 @@ def test_current_summary_names_the_process_figure_on_cpu():
 
 
 def test_ddp_kwargs_share_gradients_with_the_buckets():
-    kwargs = memory.ddp_kwargs()
+    kwargs = ddp_settings.ddp_kwargs()
     assert kwargs["gradient_as_bucket_view"] is True
     # The keys are DistributedDataParallelKwargs fields.
     from accelerate.utils import DistributedDataParallelKwargs
@@ -462,19 +467,19 @@ MINILM = {"num_params": 22_713_986, "hidden_size": 384, "largest_param_numel": 3
 
 def test_zero_settings_size_the_bucket_to_the_model_not_deepspeeds_default():
     # hidden^2 = 147,456 is below the floor: 2^21 elements, so a step makes few calls.
-    settings = memory.zero_memory_settings(**MINILM, world_size=2, stage=2)
+    settings = memory_settings.zero_memory_settings(**MINILM, world_size=2, stage=2)
     assert settings["reduce_bucket_size"] == memory_settings.MIN_BUCKET_ELEMENTS == 2**21
     assert settings["allgather_bucket_size"] == 2**21
     # Above the floor, hidden^2 (Llama-7B's hidden size).
-    llama = memory.zero_memory_settings(6_738_415_616, 4096, world_size=8, stage=2)
+    llama = memory_settings.zero_memory_settings(6_738_415_616, 4096, world_size=8, stage=2)
     assert llama["reduce_bucket_size"] == 4096 * 4096
     # A model smaller than the floor never gets a bucket larger than itself.
-    tiny = memory.zero_memory_settings(1000, 384, world_size=2, stage=2)
+    tiny = memory_settings.zero_memory_settings(1000, 384, world_size=2, stage=2)
     assert tiny["reduce_bucket_size"] == 1000
     # DeepSpeed asserts even bucket sizes: an odd model rounds up.
-    odd = memory.zero_memory_settings(1001, 384, world_size=2, stage=2)
+    odd = memory_settings.zero_memory_settings(1001, 384, world_size=2, stage=2)
     assert odd["reduce_bucket_size"] == odd["allgather_bucket_size"] == 1002
-    huge = memory.zero_memory_settings(10**12, 10**6, world_size=8, stage=2)
+    huge = memory_settings.zero_memory_settings(10**12, 10**6, world_size=8, stage=2)
     assert huge["reduce_bucket_size"] == 500_000_000
     # Before the model is built (no parameter count): the same rule, uncapped.
     assert memory_settings.bucket_elements(384) == 2**21
@@ -482,23 +487,23 @@ def test_zero_settings_size_the_bucket_to_the_model_not_deepspeeds_default():
 
 
 def test_zero_settings_follow_the_measurements():
-    cpu2 = memory.zero_memory_settings(**MINILM, world_size=2, stage=2)
+    cpu2 = memory_settings.zero_memory_settings(**MINILM, world_size=2, stage=2)
     assert cpu2["overlap_comm"] is False, "on CPU a second bucket that overlaps nothing"
     # MiniLM's word embedding (51.6% of the model) is reduced alone beside the pre-sized
     # partition buffer: off, under both stages.
     assert cpu2["contiguous_gradients"] is False
-    stage1 = memory.zero_memory_settings(**MINILM, world_size=4, stage=1)
+    stage1 = memory_settings.zero_memory_settings(**MINILM, world_size=4, stage=1)
     assert stage1["contiguous_gradients"] is False
-    cuda2 = memory.zero_memory_settings(**MINILM, world_size=2, stage=2, on_cuda=True)
+    cuda2 = memory_settings.zero_memory_settings(**MINILM, world_size=2, stage=2, on_cuda=True)
     assert cuda2["overlap_comm"] is False, "without contiguous gradients: previous_reduced_grads"
-    cuda1 = memory.zero_memory_settings(**MINILM, world_size=2, stage=1, on_cuda=True)
+    cuda1 = memory_settings.zero_memory_settings(**MINILM, world_size=2, stage=1, on_cuda=True)
     assert cuda1["overlap_comm"] is False, "ZeRO-1 would reduce inside backward"
     # No single parameter dominates a partition: keep contiguous buffers, and overlap
     # ZeRO-2's reduction with backward on CUDA.
     even = dict(num_params=10**9, hidden_size=4096, largest_param_numel=10**7)
-    even_cpu = memory.zero_memory_settings(**even, world_size=8, stage=2)
+    even_cpu = memory_settings.zero_memory_settings(**even, world_size=8, stage=2)
     assert even_cpu["contiguous_gradients"] is True and even_cpu["overlap_comm"] is False
-    even_cuda = memory.zero_memory_settings(**even, world_size=8, stage=2, on_cuda=True)
+    even_cuda = memory_settings.zero_memory_settings(**even, world_size=8, stage=2, on_cuda=True)
     assert even_cuda["overlap_comm"] is True
     assert set(cpu2) <= set(memory_settings.REASONS)
 
@@ -507,7 +512,7 @@ def test_zero_settings_follow_the_measurements():
 def test_zero_settings_reject_what_they_do_not_cover(bad):
     args = {"world_size": 2, "stage": 2, **bad}
     with pytest.raises(ValueError):
-        memory.zero_memory_settings(100, 8, **args)
+        memory_settings.zero_memory_settings(100, 8, **args)
 
 
 def _allocated_after_a_warm_up_step(device: torch.device) -> float:

@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import pytest
 
-from dpkit.memory import fsdp2_layout
+from dpkit.engines.ddp.settings import ddp_kwargs
+from dpkit.engines.deepspeed.settings import (
+    bucket_elements,
+    fill_zero_settings,
+    zero_memory_settings,
+)
+from dpkit.engines.fsdp2 import layout as fsdp2_layout
 from dpkit.memory.analytic import (
     ModelStateBytes,
     canonical_precision,
@@ -19,12 +25,6 @@ from dpkit.memory.analytic import (
     model_state_bytes,
     paper_grad_bytes,
     savings_vs_replication,
-)
-from dpkit.memory.settings import (
-    bucket_elements,
-    ddp_kwargs,
-    fill_zero_settings,
-    zero_memory_settings,
 )
 
 # --- the analytic core's refusals and conversions -------------------------------------------

@@ -354,7 +354,7 @@ def test_saved_report_is_complete(runs, strategy):
     report = MemoryReport.from_dict(data)
     assert report.to_dict()["savings"] == data["savings"]
     for row in data["ranks"]:
-        assert row["measured_at"] == "step probes", "the recipe must call dpkit.memory.track"
+        assert row["measured_at"] == "step probes", "the recipe must call run.prepare"
         # On CPU the peak is the process's resident high-water: it held at once, at the end
         # of step 2's forward, the parameters, the optimizer state and master made at
         # step 1, and the activations saved for backward (measured: 3-5x that sum, the

@@ -4,7 +4,7 @@ modes, in fp32 and bf16, on 2 CPU processes.
 One ``torchrun`` launch of tests/numerics_script.py trains a tiny GPT-2 (2 blocks, width 30,
 vocabulary 67: FSDP2's shards are uneven) 5 steps under each of the ten (strategy,
 precision) pairs in turn, through dpkit's public API as a user's own accelerate loop does
-(``dpkit.setup``, ``run.shard_model``, ``prepare``, ``accumulate``, clipping): 2 ranks x
+(``dpkit.setup``, ``run.prepare``, ``accumulate``, clipping): 2 ranks x
 micro-batch 4 x accumulation 2. The reference is the same model and data in ONE process,
 fp32, plain torch (no dpkit, accelerate or DeepSpeed): each step accumulates the same
 global batch of 4 micro-batches by hand, same seed, no dropout. Checked:

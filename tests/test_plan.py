@@ -92,7 +92,7 @@ def test_mixed_precision_follows_zero_paper(psi, world_size, optimizer, precisio
 @pytest.mark.parametrize("psi", PSIS)
 def test_fp32_follows_zero_paper_with_deepspeeds_master_partition(psi, world_size, optimizer):
     """fp32: 4-byte params and grads; DDP needs no master copy, while DeepSpeed's
-    ZeRO keeps an fp32 master partition even then (measured, STACK-NOTES)."""
+    ZeRO keeps an fp32 master partition even then (measured, docs/stack-notes.md)."""
     own, n = OWN_STATE[optimizer], world_size
 
     def total(strategy):
@@ -801,4 +801,4 @@ def test_against_an_fsdp2_run_plans_fsdp2_not_deepspeeds_layout(tmp_path, strate
     assert check.strategy == strategy
     assert check.predicted == {**measured, "total": 528}
     assert set(check.error_pct.values()) == {0.0, None}  # master: 0 predicted, 0 measured
-    assert check.grads_where == "" and "zero_layout" not in format_check(check)
+    assert check.grads_where == "" and "dpkit.engines.deepspeed.layout" not in format_check(check)

@@ -343,7 +343,7 @@ def test_the_table_gives_mib_and_signed_errors_per_category():
         "total                12.5       12.5    +0.0%",
         "",
         "grads: rank 1, step, group 0 (flat copy of the partition); the ZeRO paper's figure "
-        "would be 0.5 MiB (see dpkit.memory.zero_layout)",
+        "would be 0.5 MiB (see dpkit.engines.deepspeed.layout)",
     ]
     assert format_check(_check(grads_where="")).splitlines()[-1].startswith("total ")
 

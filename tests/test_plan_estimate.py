@@ -334,12 +334,12 @@ def test_the_worst_ranks_backward_and_step_may_be_on_different_ranks():
 
 def test_why_zero3_points_to_a_config_of_ones_own():
     """ZeRO-3 comes last (dpkit runs DeepSpeed up to ZeRO-2): chosen, the reason says so."""
-    from dpkit.plan.recommend import _why
     from dpkit.strategy import get_strategy
 
     inputs = _count_inputs(gpu_memory=100 * GB)
     row = make_plan(inputs).row("zero3")
-    assert _why(get_strategy("zero3"), row, inputs) == (
+    zero3 = get_strategy("zero3")
+    assert zero3.engine.why(zero3, row, inputs) == (
         "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
         "backward (1.5x DDP's communication). dpkit runs DeepSpeed up to ZeRO-2, and FSDP2 "
         "full-shard does not fit; ZeRO-3 needs a DeepSpeed config of your own."

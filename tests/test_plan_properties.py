@@ -16,10 +16,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dpkit.engines.deepspeed.layout import (
+    gradient_high_water,
+    partition_group,
+    touches_partition,
+)
+from dpkit.engines.deepspeed.settings import bucket_elements
+from dpkit.engines.fsdp2.layout import numel, shard_numel
 from dpkit.memory.analytic import model_state_bytes, savings_vs_replication
-from dpkit.memory.fsdp2_layout import numel, shard_numel
-from dpkit.memory.settings import bucket_elements
-from dpkit.memory.zero_layout import gradient_high_water, partition_group, touches_partition
 
 # Parameter counts from a few thousand to a trillion; world sizes to 1024.
 psis = st.integers(min_value=1_000, max_value=10**12)

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dpkit.train import checkpoint
+from dpkit.checkpoints import folder
 from tests.harness import REPO, accelerate_cmd, launch_env, run
 
 pytestmark = pytest.mark.multiprocess
@@ -120,8 +120,8 @@ def test_a_killed_rank_ends_the_whole_job_and_keeps_the_last_checkpoint(tmp_path
         "finetune.py: error: rank 0: lost the connection to another rank: it died "
         "(see the launcher's report above)"
     ], output[-3000:]
-    latest = checkpoint.list_checkpoints(out)[-1]
-    assert checkpoint.verify_checkpoint(latest).step >= 2
+    latest = folder.list_checkpoints(out)[-1]
+    assert folder.verify_checkpoint(latest).step >= 2
 
 
 def test_a_hung_rank_fails_the_job_within_the_collective_timeout(tmp_path):
@@ -175,7 +175,7 @@ def test_a_nan_loss_stops_every_rank_and_saves_nothing(tmp_path):
     assert log[-1]["loss"] == "nan"
     nan_step = log[-1]["step"]
     # Checkpoints of the finite steps before it exist; none at or after the NaN step.
-    steps = [checkpoint.verify_checkpoint(p).step for p in checkpoint.list_checkpoints(out)]
+    steps = [folder.verify_checkpoint(p).step for p in folder.list_checkpoints(out)]
     assert steps and max(steps) < nan_step
 
 
@@ -192,9 +192,9 @@ def test_sigterm_saves_at_the_next_step_and_resume_is_exact(tmp_path):
     code, seconds = job.wait(timeout=120)
     assert code != 0  # the launcher reports that it was signalled
     output = job.output()
-    saved = checkpoint.list_checkpoints(out)
+    saved = folder.list_checkpoints(out)
     assert len(saved) == 1, output[-3000:]
-    stopped_at = checkpoint.verify_checkpoint(saved[0]).step
+    stopped_at = folder.verify_checkpoint(saved[0]).step
     assert 2 <= stopped_at < 16
     assert (
         f"dpkit: stopped by SIGTERM after step {stopped_at}/16; resume with --resume latest"
@@ -225,8 +225,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_for_resume(tmp_pa
     code, _ = job.wait(timeout=120)
     assert code != 0
     assert not (ckpts / "step-000006").exists(), "the save finished before the kill"
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-000003"]
-    assert checkpoint.verify_checkpoint(ckpts / "step-000003").step == 3
+    assert [p.name for p in folder.list_checkpoints(out)] == ["step-000003"]
+    assert folder.verify_checkpoint(ckpts / "step-000003").step == 3
 
     resumed = run(
         accelerate_cmd(DDP, *LONG_RUN, "--max-steps", "8", "--save-steps", "0",
@@ -237,4 +237,4 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_for_resume(tmp_pa
     assert [r["step"] for r in resumed.train_log] == list(range(1, 9))
     # The interrupted save's leftovers are gone with the next save of that name or
     # stay hidden: only complete checkpoints are listed.
-    assert [p.name for p in checkpoint.list_checkpoints(out)] == ["step-000003", "step-000008"]
+    assert [p.name for p in folder.list_checkpoints(out)] == ["step-000003", "step-000008"]

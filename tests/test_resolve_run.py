@@ -7,6 +7,7 @@ DeepSpeed's keys as literals), never taken from dpkit's own helpers.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,7 @@ import pytest
 from dpkit.errors import UsageError
 from dpkit.models import ModelSizes
 from dpkit.train.config import StrategyConfig
-from dpkit.train.resolve import resolve
+from dpkit.train.resolution import resolve
 from tests.harness import REPO
 
 ZERO2 = str(REPO / "ds_configs" / "zero2.json")
@@ -90,12 +91,12 @@ def test_the_scaled_lr_lands_in_a_deepspeed_jsons_optimizer(tmp_path, rule, expe
         weight_decay=0.05,
         env=torchrun_env(4),
     )
-    params = resolution.ds_config["optimizer"]["params"]
+    params = resolution.settings.config["optimizer"]["params"]
     assert params["lr"] == pytest.approx(expected, rel=1e-12)
     assert resolution.learning_rate == pytest.approx(expected, rel=1e-12)
     assert params["weight_decay"] == 0.05
-    assert resolution.ds_config["train_batch_size"] == 8 * 3 * 4
-    assert resolution.ds_config["gradient_accumulation_steps"] == 3
+    assert resolution.settings.config["train_batch_size"] == 8 * 3 * 4
+    assert resolution.settings.config["gradient_accumulation_steps"] == 3
 
 
 def test_the_lr_scales_under_accelerate_launch_with_deepspeed():
@@ -121,7 +122,7 @@ def test_the_lr_scales_under_accelerate_launch_with_deepspeed():
     )
     assert resolution.strategy.name == "zero2"
     assert resolution.learning_rate == pytest.approx(1e-4 * 2 * 4, rel=1e-12)
-    assert resolution.ds_config["train_batch_size"] == 16 * 4 * 2
+    assert resolution.settings.config["train_batch_size"] == 16 * 4 * 2
 
 
 def test_a_json_lr_that_is_not_the_scaled_one_is_refused(tmp_path):
@@ -148,11 +149,11 @@ def test_a_json_lr_that_is_not_the_scaled_one_is_refused(tmp_path):
 # ---- what a ZeRO run resolves to: every field, the DeepSpeed config sized by hand ------------
 
 # 40M parameters, hidden 2048, a 6M-element largest parameter. Written out from the rules in
-# dpkit/memory/settings.py's REASONS (not computed by it): the bucket is hidden^2 = 4,194,304
-# elements (over the 2^21 floor, under the 40M parameters; Psi / 100 = 400,000 would be the
-# rule without a hidden size). At 2 ranks a partition is 20M elements: the 6M parameter is
-# larger than the bucket and than a quarter of the partition (5M), so no contiguous
-# gradients; at 1 rank (10M a quarter) it would have them.
+# dpkit/engines/deepspeed/settings.py's REASONS (not computed by it): the bucket is
+# hidden^2 = 4,194,304 elements (over the 2^21 floor, under the 40M parameters; Psi / 100 =
+# 400,000 would be the rule without a hidden size). At 2 ranks a partition is 20M elements:
+# the 6M parameter is larger than the bucket and than a quarter of the partition (5M), so no
+# contiguous gradients; at 1 rank (10M a quarter) it would have them.
 BIG = ModelSizes(num_params=40_000_000, largest_param_numel=6_000_000, hidden_size=2048)
 
 
@@ -176,7 +177,7 @@ def test_a_zero2_run_resolves_every_field(tmp_path):
     )
     assert resolution.strategy.name == "zero2"
     assert resolution.source == f"--deepspeed {path}"
-    assert resolution.ds_config_path == str(path)
+    assert resolution.settings.config_path == str(path)
     assert resolution.precision == "bf16"
     assert (resolution.world_size, resolution.micro_batch_size) == (2, 8)
     assert resolution.gradient_accumulation_steps == 3
@@ -185,12 +186,16 @@ def test_a_zero2_run_resolves_every_field(tmp_path):
     assert resolution.collective_timeout_s == 123.0
     assert resolution.model_sizes == BIG
     assert resolution.learning_rate is None  # not given: nothing to scale or record
-    assert resolution.offload_optimizer == "cpu"
-    assert resolution.ddp_kwargs == {}
+    assert resolution.settings.offload_optimizer == "cpu"
     assert resolution.notes == ()
-    assert (resolution.fsdp_layer_classes, resolution.fsdp_layer_override) == ((), ())
-    assert resolution.ddp_forward_sync_buffers is True  # sizes only: DDP's default
-    ds = resolution.ds_config
+    # ZeRO's settings, every one checked here: no DDP kwargs, no FSDP2 units.
+    assert {f.name for f in dataclasses.fields(resolution.settings)} == {
+        "notes",
+        "ds_config",
+        "ds_config_path",
+        "offload_optimizer",
+    }
+    ds = resolution.settings.config
     assert ds["train_batch_size"] == 48 and ds["train_micro_batch_size_per_gpu"] == 8
     assert ds["gradient_accumulation_steps"] == 3 and ds["gradient_clipping"] == 0.5
     assert ds["bf16"] == {"enabled": True} and ds["fp16"] == {"enabled": False}
@@ -214,13 +219,13 @@ def test_zero1_from_the_flag_alone_takes_the_shipped_json():
     assert resolution.strategy.name == "zero1"
     assert resolution.source == "--strategy zero1"
     # The wheel's copy of ds_configs/zero1.json.
-    shipped = Path(resolution.ds_config_path)
+    shipped = Path(resolution.settings.config_path)
     assert shipped.parts[-4:] == ("dpkit", "configs", "deepspeed", "zero1.json")
     assert shipped.read_text() == (REPO / "ds_configs" / "zero1.json").read_text()
-    assert resolution.ds_config["zero_optimization"]["stage"] == 1
-    assert resolution.ds_config["train_batch_size"] == 4 * 1 * 2
-    assert resolution.ds_config["gradient_clipping"] == 0.0  # no clipping asked
-    assert resolution.offload_optimizer is None
+    assert resolution.settings.config["zero_optimization"]["stage"] == 1
+    assert resolution.settings.config["train_batch_size"] == 4 * 1 * 2
+    assert resolution.settings.config["gradient_clipping"] == 0.0  # no clipping asked
+    assert resolution.settings.offload_optimizer is None
 
 
 def test_a_ddp_run_resolves_dpkits_ddp_settings():
@@ -229,10 +234,10 @@ def test_a_ddp_run_resolves_dpkits_ddp_settings():
     )
     assert resolution.strategy.name == "ddp"
     assert resolution.source == "default (no DeepSpeed config)"
-    assert resolution.ds_config is None and resolution.ds_config_path is None
-    assert resolution.offload_optimizer is None
+    assert resolution.settings.config is None and resolution.settings.config_path is None
+    assert resolution.settings.run_info().get("offload_optimizer") is None
     # Bucket views (one gradient copy, not two) and torch's 25 MB cap, written out.
-    assert resolution.ddp_kwargs == {
+    assert resolution.settings.kwargs == {
         "gradient_as_bucket_view": True,
         "bucket_cap_mb": 25,
         "find_unused_parameters": False,
@@ -271,7 +276,7 @@ def test_accelerate_settings_equal_to_the_runs_are_accepted():
     )
     assert resolution.strategy.name == "zero1"
     assert resolution.source == "accelerate launch (DeepSpeed)"
-    assert resolution.ds_config["gradient_clipping"] == 0.25
+    assert resolution.settings.config["gradient_clipping"] == 0.25
     with pytest.raises(UsageError) as err:
         resolve(None, model=BIG, micro_batch_size=2, gradient_accumulation_steps=2, env=env)
     assert str(err.value).startswith(
@@ -323,8 +328,8 @@ def test_find_unused_parameters_is_a_note_under_fsdp2():
         "--ddp-find-unused-parameters: DDP's; fsdp2_shard_grad_op needs none "
         "(parameters the loss does not use simply get no gradient)",
     )
-    assert resolution.fsdp_layer_classes == ("Linear",)
-    assert resolution.ddp_kwargs == {} and resolution.ds_config is None
+    assert resolution.settings.layer_classes == ("Linear",)
+    assert not hasattr(resolution.settings, "kwargs") and resolution.settings.config is None
 
 
 def test_an_ignored_fsdp_state_dict_type_is_one_note():
@@ -344,8 +349,8 @@ def test_an_ignored_fsdp_state_dict_type_is_one_note():
         "its own portable layout (full fp32 weights and Adam moments) whatever the type",
     )
     # Given sizes only, the units are found once the model is sharded; the YAML's names kept.
-    assert resolution.fsdp_layer_classes == ()
-    assert resolution.fsdp_layer_override == ("Linear",)
+    assert resolution.settings.layer_classes == ()
+    assert resolution.settings.layer_override == ("Linear",)
     without = {k: v for k, v in env.items() if k != "FSDP_STATE_DICT_TYPE"}
     assert resolve(None, model=SIZES, micro_batch_size=2, env=without).notes == ()
 
@@ -371,7 +376,7 @@ def test_offload_deepspeed_would_not_run_as_written_is_refused_naming_the_file(t
 def cuda_machine(monkeypatch):
     """resolve() as on a machine with CUDA devices: only dpkit's probe is told so (the CPU
     suite hides the GPUs); resolution starts nothing on a device."""
-    import dpkit.train.resolve as resolve_module
+    import dpkit.train.resolution as resolve_module
 
     monkeypatch.setattr(resolve_module, "_cuda_available", lambda: True)
 
@@ -392,13 +397,13 @@ def test_on_cuda_zero2_runs_nccl_and_overlaps_communication(cuda_machine):
         "nccl",
         "fp16",
     )
-    zero = resolution.ds_config["zero_optimization"]
+    zero = resolution.settings.config["zero_optimization"]
     assert (zero["reduce_bucket_size"], zero["overlap_comm"]) == (1_000_000, True)
     assert zero["contiguous_gradients"] is True
-    assert resolution.ds_config["fp16"]["enabled"] is True
+    assert resolution.settings.config["fp16"]["enabled"] is True
     # ZeRO-1 reduces after the backward: no overlap even on CUDA.
     stage1 = resolve(StrategyConfig(strategy="zero1"), model=sizes, micro_batch_size=4, env={})
-    assert stage1.ds_config["zero_optimization"]["overlap_comm"] is False
+    assert stage1.settings.config["zero_optimization"]["overlap_comm"] is False
 
 
 def test_on_cuda_fsdp2_refuses_fp16(cuda_machine):

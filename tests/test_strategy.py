@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
+from dpkit.engines.deepspeed.config import fill_deepspeed_config
 from dpkit.errors import UsageError
 from dpkit.models import ModelSizes
 from dpkit.train.config import StrategyConfig
-from dpkit.train.deepspeed_config import fill_deepspeed_config
-from dpkit.train.launch import resolve_precision, resolve_strategy
-from dpkit.train.resolve import resolve, scaled_learning_rate
+from dpkit.train.launcher import read_launch, read_precision
+from dpkit.train.resolution import resolve, scaled_learning_rate
 from tests.harness import REPO
 
 ZERO1 = str(REPO / "ds_configs" / "zero1.json")
@@ -21,6 +22,17 @@ ACCELERATE_DS = {
     "ACCELERATE_DYNAMO_BACKEND": "NO",
     "WORLD_SIZE": "2",
 }
+
+
+def resolve_strategy(flag, deepspeed, env):
+    """What ``read_launch`` decides from the raw flags and the launcher's environment (CPU)."""
+    args = SimpleNamespace(strategy=flag, deepspeed=deepspeed, mixed_precision=None)
+    return read_launch(args, env, on_cuda=False)
+
+
+def resolve_precision(flag, env):
+    """The precision on this CPU box (the suite hides any GPU: tests/conftest.py)."""
+    return read_precision(flag, env, on_cuda=False)
 
 
 def _load(path: str) -> dict:
@@ -61,8 +73,8 @@ def test_zero_configs_differ_only_in_the_stage():
 def test_strategy_comes_from_flag_or_launcher(flag, deepspeed, env, expected):
     choice = resolve_strategy(flag, deepspeed, env)
     assert choice.strategy.name == expected
-    assert choice.expected_world_size == int(env.get("WORLD_SIZE", "1"))
-    assert (choice.ds_template is not None) == (expected != "ddp")
+    assert choice.world_size == int(env.get("WORLD_SIZE", "1"))
+    assert (choice.config_template is not None) == (expected != "ddp")
 
 
 @pytest.mark.parametrize(
@@ -133,9 +145,10 @@ def _fill(template, **overrides):
 
 # The zero_optimization values the run hands the filling for MiniLM (22.7M parameters,
 # hidden 384, an 11.7M-element word embedding) at 2 CPU ranks, written out rather than asked
-# of dpkit.memory.settings, whose sizing its own tests check (test_memory.py): hidden^2 =
-# 147,456 is under the 2^21-element floor; the embedding is larger than the bucket and than
-# a quarter of a rank's 11.4M-element partition, so no contiguous gradients; no overlap on CPU.
+# of dpkit.engines.deepspeed.settings, whose sizing its own tests check (test_memory.py):
+# hidden^2 = 147,456 is under the 2^21-element floor; the embedding is larger than the bucket
+# and than a quarter of a rank's 11.4M-element partition, so no contiguous gradients; no
+# overlap on CPU.
 MINILM_ZERO_SETTINGS = {
     "reduce_bucket_size": 2**21,
     "allgather_bucket_size": 2**21,
@@ -217,15 +230,15 @@ def test_find_unused_parameters_reaches_ddp_and_is_a_note_under_zero():
     plain = resolve(
         StrategyConfig(strategy="ddp"), model=_SIZES, micro_batch_size=4, env=_TORCHRUN_2
     )
-    assert plain.ddp_kwargs["find_unused_parameters"] is False and plain.notes == ()
+    assert plain.settings.kwargs["find_unused_parameters"] is False and plain.notes == ()
     asked = StrategyConfig(strategy="ddp", ddp_find_unused_parameters=True)
     ddp = resolve(asked, model=_SIZES, micro_batch_size=4, env=_TORCHRUN_2)
-    assert ddp.ddp_kwargs["find_unused_parameters"] is True
-    assert ddp.ddp_kwargs["gradient_as_bucket_view"] is True  # dpkit's own kwargs stay
+    assert ddp.settings.kwargs["find_unused_parameters"] is True
+    assert ddp.settings.kwargs["gradient_as_bucket_view"] is True  # dpkit's own kwargs stay
     assert ddp.notes == ()
     asked = StrategyConfig(strategy="zero2", ddp_find_unused_parameters=True)
     zero = resolve(asked, model=_SIZES, micro_batch_size=4, env=_TORCHRUN_2)
-    assert zero.ddp_kwargs == {}
+    assert not hasattr(zero.settings, "kwargs")  # ZeRO's settings carry no DDP kwargs
     (note,) = zero.notes  # said once at start, recorded in run_info.json
     assert note.startswith("--ddp-find-unused-parameters: DDP's; zero2 needs none")
 
@@ -241,7 +254,7 @@ def test_ddp_skips_the_per_forward_buffer_broadcast_only_when_every_buffer_is_a_
     def resolved(model):
         return resolve(
             StrategyConfig(strategy="ddp"), model=model, micro_batch_size=4, env=_TORCHRUN_2
-        ).ddp_forward_sync_buffers
+        ).settings.forward_sync_buffers
 
     llama_config = LlamaConfig(
         num_hidden_layers=1, hidden_size=32, intermediate_size=64, num_attention_heads=2,

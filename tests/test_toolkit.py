@@ -2,9 +2,10 @@
 
 * The wheel carries everything dpkit reads at run time (configs, metrics, recipes) and
   runs from another folder (``wheel_env``: a fresh venv outside the checkout).
-* The README's "Use dpkit in your own script" example, copied out of the README, runs
-  from that folder against the wheel as DDP (torchrun) and ZeRO-2 (accelerate launch
-  with the shipped YAML): real 2-process jobs, the same losses.
+* The README's own-script example ("Your own script: four dpkit lines"), copied out of
+  the README, runs from that folder against the wheel as DDP, ZeRO-2 and FSDP2
+  shard-grad-op (torchrun, ``--strategy``), on the embedded MiniLM (its ``MODEL``
+  variable): real 2-process jobs, the same losses.
 * The shipped accelerate YAML and DeepSpeed JSON work in a plain accelerate script
   without dpkit, given what their header says (the gloo backend on CPU).
 """
@@ -16,10 +17,12 @@ import json
 import re
 import shutil
 import zipfile
+from pathlib import Path
 
 import pytest
 
 from dpkit.data.embedded import rotten_tomatoes_csv
+from dpkit.models import local_model_path
 from tests.harness import REPO, free_port, max_rel_diff, run
 
 README = REPO / "README.md"
@@ -43,18 +46,38 @@ def test_public_api_is_documented_and_the_recipes_use_nothing_else():
     for name in hf_integration.__all__:
         assert re.search(rf"`{re.escape(name)}[`(.]", api_doc), f"{name} not in docs/api.md"
         assert (getattr(hf_integration, name).__doc__ or "").strip(), name
+
+    # The helper modules docs/api.md documents ("Helpers outside the top level") that a
+    # training script may import; each name a recipe takes from one is in that table.
+    helpers = ("dpkit.models", "dpkit.data.classification", "dpkit.data.lm", "dpkit.train.output")
+
+    def documented(name: str) -> bool:
+        return re.search(rf"`{re.escape(name)}[`(.]", api_doc) is not None
+
     for recipe in sorted((REPO / "recipes").glob("*.py")):
         tree = ast.parse(recipe.read_text())
+        bound: dict[str, str] = {}  # a name the recipe binds to a helper module
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module in integrations:
                 public = integrations[node.module].__all__
                 assert all(a.name in public for a in node.names), f"{recipe.name}: {node.module}"
+            elif isinstance(node, ast.ImportFrom) and node.module in helpers:
+                for a in node.names:
+                    assert documented(a.name), f"{recipe.name}: {node.module}.{a.name}"
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dpkit"):
-                raise AssertionError(f"{recipe.name}: from {node.module} import ...")
+                for a in node.names:
+                    module = f"{node.module}.{a.name}"
+                    if module not in helpers:
+                        raise AssertionError(f"{recipe.name}: from {node.module} import {a.name}")
+                    bound[a.asname or a.name] = module
             if isinstance(node, ast.Import):
                 assert all(a.name == "dpkit" or not a.name.startswith("dpkit") for a in node.names)
             if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "dpkit":
                 assert node.attr in dpkit.__all__, f"{recipe.name}: dpkit.{node.attr}"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) in bound:
+                module = bound[node.value.id]
+                assert documented(node.attr), f"{recipe.name}: {module}.{node.attr}"
 
 
 def test_packaged_configs_are_the_repositorys():
@@ -135,32 +158,39 @@ def test_plan_runs_from_the_wheel_in_another_folder(wheel_env, tmp_path):
     assert where.stdout.startswith(str(wheel_env.root)), where.stdout
 
 
+# The model the README example names by default; its MODEL variable gets dpkit's embedded
+# copy of it (offline).
+README_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+OWN_SCRIPT_STRATEGIES = ("ddp", "zero2", "fsdp2_shard_grad_op")
+
+
 def readme_example() -> str:
-    """The first python block of the README's "Use dpkit in your own script" section."""
+    """The first python block of the README's own-script section."""
     text = README.read_text()
-    section = text.split("## Use dpkit in your own script", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## Your own script: four dpkit lines", 1)[1].split("\n## ", 1)[0]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
 @pytest.fixture(scope="module")
 def own_script(tmp_path_factory, wheel_env):
     """The README example in a folder of its own, with data and a copy of ds_configs/, run
-    against the wheel as DDP (torchrun), as ZeRO-2 and as FSDP2 full-shard (accelerate launch,
-    the shipped YAMLs)."""
+    against the wheel as the README launches it (``torchrun --nproc_per_node 2 train.py
+    --strategy ...``) under DDP, ZeRO-2 and FSDP2 shard-grad-op, one launch each, with
+    ``MODEL`` the embedded MiniLM's folder."""
     folder = tmp_path_factory.mktemp("own_script")
-    (folder / "train.py").write_text(readme_example())
+    example = readme_example()
+    assert f'os.environ.get("MODEL", "{README_MODEL}")' in example  # what MODEL replaces
+    (folder / "train.py").write_text(example)
+    model_path = local_model_path(README_MODEL)
+    assert model_path != README_MODEL and Path(model_path).is_dir()  # the offline copy
     with open(rotten_tomatoes_csv()) as source, open(folder / "reviews.csv", "w") as target:
         rows = list(csv.reader(source))[:193]  # the header and 192 reviews: 6 steps at 2 x 16
         csv.writer(target).writerows(rows)
     shutil.copytree(REPO / "ds_configs", folder / "ds_configs")
     launches = {
-        "ddp": ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
-                "train.py"],
-        "zero2": ["accelerate", "launch", "--config_file", "ds_configs/accelerate/zero2.yaml",
-                  "--num_processes", "2", "--main_process_port", str(free_port()), "train.py"],
-        "fsdp2_full_shard": ["accelerate", "launch", "--config_file",
-                             "ds_configs/accelerate/fsdp2_full_shard.yaml", "--num_processes", "2",
-                             "--main_process_port", str(free_port()), "train.py"],
+        name: ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
+               "train.py", "--strategy", name]
+        for name in OWN_SCRIPT_STRATEGIES
     }  # fmt: skip
     results = {}
     for name, cmd in launches.items():
@@ -169,12 +199,12 @@ def own_script(tmp_path_factory, wheel_env):
         shutil.copy(folder / "train.py", out)
         shutil.copy(folder / "reviews.csv", out)
         shutil.copytree(folder / "ds_configs", out / "ds_configs")
-        results[name] = (wheel_env.run(cmd, cwd=out), out)
+        results[name] = (wheel_env.run(cmd, cwd=out, env={"MODEL": model_path}), out)
     return results
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp2_full_shard"])
+@pytest.mark.parametrize("name", OWN_SCRIPT_STRATEGIES)
 def test_readme_example_runs_against_the_wheel(own_script, name):
     result, out = own_script[name]
     output = result.stdout + result.stderr
@@ -185,7 +215,7 @@ def test_readme_example_runs_against_the_wheel(own_script, name):
     wrapper = {
         "ddp": "DistributedDataParallel",
         "zero2": "DeepSpeedEngine+DeepSpeedZeroOptimizer",
-        "fsdp2_full_shard": "FSDP2 fully_shard (8 units)+AdamW",
+        "fsdp2_shard_grad_op": "FSDP2 fully_shard (8 units)+AdamW",
     }[name]
     assert f"wrapper={wrapper}" in strategy_lines[0]
     synced_at_init_only = "buffers synced at init only" in strategy_lines[0]
@@ -193,9 +223,11 @@ def test_readme_example_runs_against_the_wheel(own_script, name):
     report = json.loads((out / "out" / "memory_report.json").read_text())
     assert report["strategy"] == name and len(report["ranks"]) == 2
     assert report["grads_measured"] is True
-    assert (out / "out" / "model" / "model.safetensors").is_file()
     (checkpoint,) = (out / "out" / "checkpoints").glob("step-*")
     assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "manifest.json").is_file()
+    # A checkpoint is a model folder: the weights gathered whole (the example saves no
+    # other model than its checkpoint).
+    assert (checkpoint / "model.safetensors").is_file()
     assert "step 6: loss" in output
 
 
@@ -210,11 +242,11 @@ def test_readme_example_losses_agree_across_strategies(own_script):
         losses[name] = [
             float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", result.stdout + result.stderr)
         ]
-    assert len(losses["ddp"]) == len(losses["zero2"]) == len(losses["fsdp2_full_shard"]) == 6
+    assert len(losses["ddp"]) == len(losses["zero2"]) == len(losses["fsdp2_shard_grad_op"]) == 6
     # The tolerance of tests/test_launchers.py (DDP against ZeRO, argued there); FSDP2's
     # losses are printed to 4 decimals, so the same bound holds them.
     assert max_rel_diff(losses["ddp"], losses["zero2"]) < 2e-3
-    assert max_rel_diff(losses["ddp"], losses["fsdp2_full_shard"]) < 2e-3
+    assert max_rel_diff(losses["ddp"], losses["fsdp2_shard_grad_op"]) < 2e-3
 
 
 PLAIN_SCRIPT = """

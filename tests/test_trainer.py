@@ -351,8 +351,9 @@ def test_a_run_that_would_train_the_wrong_job_is_refused_in_one_line(runs, name,
 
 def _minilm_config():
     import dpkit
+    from dpkit.models import load_model_config
 
-    return dpkit.load_model_config(dpkit.ModelConfig.model)[1]
+    return load_model_config(dpkit.ModelConfig.model)[1]
 
 
 def test_deepspeed_config_fills_dpkits_zero_settings_and_leaves_the_trainers_auto():
@@ -706,10 +707,10 @@ def test_what_runs_is_read_from_the_prepared_model_and_optimizer():
     assert optimizer_name(sgd(0.9)) == "sgd_momentum"  # momentum in any group
     assert optimizer_name(torch.optim.Adagrad(model.parameters())) is None
     assert optimizer_name(object()) is None
-    assert optimizer_groups(sgd(0.0)) == [first, second]
-    assert optimizer_groups(object()) == []
+    assert optimizer_groups(sgd(0.0), DDP) == [first, second]
+    assert optimizer_groups(object(), DDP) == []
     for flags, precision in [({}, "no"), ({"bf16": True}, "bf16"), ({"fp16": True}, "fp16")]:
-        assert precision_running(_trainer_args_with(**flags), sgd(0.0)) == precision
+        assert precision_running(_trainer_args_with(**flags), sgd(0.0), DDP) == precision
 
 
 def _trainer_args_with(**flags):

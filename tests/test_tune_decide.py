@@ -765,7 +765,7 @@ def test_the_tuners_zero_settings_win_over_the_jsons_auto_and_written_values(tmp
     Merged the other way, "auto" would stay and the run fill it with dpkit's 2^21 bucket:
     a trial named bucket512K measured with another bucket, and a winner JSON to match."""
     from dpkit import resources
-    from dpkit.train.deepspeed_config import fill_deepspeed_config
+    from dpkit.engines.deepspeed.config import fill_deepspeed_config
     from dpkit.tune import report
     from dpkit.tune.trials import trial_dir
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's ZeRO-1/2 gradient layout (dpkit.memory.zero_layout), on layouts worked by hand.
+"""DeepSpeed's ZeRO-1/2 gradient layout (dpkit.engines.deepspeed.layout), on layouts worked by hand.
 
 The real-run check (plan against measurement, every category) is in
 tests/test_memory_multiprocess.py; these pin the arithmetic it rests on.
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dpkit.memory.zero_layout import (
+from dpkit.engines.deepspeed.layout import (
     gradient_high_water,
     partition_group,
     stage1_contiguous_reduction,

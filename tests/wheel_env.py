@@ -16,6 +16,7 @@ import subprocess
 import sys
 import sysconfig
 import venv
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,14 +48,21 @@ class WheelEnv:
         env.pop("PYTHONPATH", None)
         return env
 
-    def run(self, cmd: list[str], cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-        """``cmd`` (its first word found in the venv's bin) from ``cwd``, output captured."""
+    def run(
+        self,
+        cmd: list[str],
+        cwd: Path,
+        timeout: int = 600,
+        env: Mapping[str, str] | None = None,
+    ) -> subprocess.CompletedProcess:
+        """``cmd`` (its first word found in the venv's bin) from ``cwd``, output captured;
+        ``env``: variables set for it on top of the venv's environment."""
         first = self.bin / cmd[0]
         argv = [str(first) if first.exists() else cmd[0], *cmd[1:]]
         return subprocess.run(
             argv,
             cwd=cwd,
-            env=self.env(),
+            env={**self.env(), **(env or {})},
             capture_output=True,
             text=True,
             timeout=timeout,

@@ -16,13 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import AutoModelForSequenceClassification
-from dpkit.models import resolve_model_path, adamw, adamw_param_groups
+from dpkit.models import local_model_path, adamw, adamw_param_groups
 
 variant = json.loads(sys.argv[1]); out = sys.argv[2]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-path = resolve_model_path("sentence-transformers/all-MiniLM-L6-v2")
+path = local_model_path("sentence-transformers/all-MiniLM-L6-v2")
 model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=2)
 kw = dict(gradient_as_bucket_view=True, bucket_cap_mb=variant.get("bucket_cap_mb", 25),
           static_graph=variant.get("static_graph", False),

@@ -21,11 +21,11 @@ import deepspeed
 import torch.distributed as dist
 
 from dpkit.data import lm as lm_data
+from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
 from dpkit.models import adamw, adamw_param_groups
 from dpkit.train import guards
 from dpkit.train.config import parse_args
-from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
-from dpkit.train.run_output import RunOutput
+from dpkit.train.output import RunOutput
 
 
 @dataclass

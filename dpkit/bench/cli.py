@@ -28,7 +28,7 @@ from pathlib import Path
 
 from dpkit.bench.launch import DEFAULT_LAUNCH_TIMEOUT_S
 from dpkit.errors import UsageError
-from dpkit.strategy import DDP_AND_ZERO, RUNNABLE
+from dpkit.strategy import RUNNABLE, TRAINER_STRATEGIES
 
 # Not 4: on the 2-core CPU machine the default bench at 4 processes took 13.7 min
 # (docs/bench-cpu-4proc.md, a shared machine) against 2.2 at 2 (docs/bench-cpu-2proc.md),
@@ -163,7 +163,7 @@ def _parse_overrides(items: list[str]) -> dict:
 
 def _parse_strategies(text: str, classification: bool) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
-    allowed = [s.name for s in (DDP_AND_ZERO if classification else RUNNABLE)]
+    allowed = [s.name for s in (TRAINER_STRATEGIES if classification else RUNNABLE)]
     if classification and any(n in RUNNABLE_NAMES and n not in allowed for n in names):
         raise UsageError(
             f"--strategies={text!r}: the classification workload's Trainer baseline runs "
@@ -174,7 +174,7 @@ def _parse_strategies(text: str, classification: bool) -> list[str]:
     return names
 
 
-def resolve_settings(args: argparse.Namespace, gpu_count: int) -> dict:
+def bench_settings(args: argparse.Namespace, gpu_count: int) -> dict:
     """Defaults that depend on the machine, checked before anything is launched."""
     from dpkit.bench.machine import usable_cores
     from dpkit.data.lm import MODEL_SIZES
@@ -286,7 +286,7 @@ def main(args: argparse.Namespace) -> int:
     from dpkit.bench import chart, launch, markdown, results
     from dpkit.bench.machine import machine_description
 
-    settings = resolve_settings(args, torch.cuda.device_count())
+    settings = bench_settings(args, torch.cuda.device_count())
     out = _output_dir(args.output_dir)
     phases = launch.plan_phases(settings, out)
     env = launch.launch_env(settings)

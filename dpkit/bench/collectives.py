@@ -36,8 +36,9 @@ import torch.distributed as dist
 
 from dpkit.bench.launch import COLLECTIVES_FILE
 from dpkit.data import lm as lm_data
+from dpkit.engines.ddp.settings import ddp_kwargs
+from dpkit.engines.deepspeed.settings import bucket_elements
 from dpkit.errors import UsageError
-from dpkit.memory.settings import bucket_elements, ddp_kwargs
 from dpkit.models import adamw_param_groups, count_parameters, hidden_size_of
 from dpkit.train import guards
 from dpkit.train.config import parse_args

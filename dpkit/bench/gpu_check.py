@@ -485,7 +485,7 @@ def check_lm(
 ) -> tuple[dict[str, Any], list[Failure]]:
     """Tokens/s after the warm-up and MFU of a finished train_lm.py run."""
     from dpkit.bench.results import summarize_steps
-    from dpkit.train.run_output import read_jsonl
+    from dpkit.train.output import read_jsonl
 
     steps = summarize_steps(read_jsonl(run_dir / "train_log.jsonl"), LM_WARMUP_STEPS, 1)
     tokens_per_s = steps["tokens_per_s_per_rank"]  # one GPU: per rank is per device

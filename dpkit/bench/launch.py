@@ -39,7 +39,7 @@ from pathlib import Path
 
 from dpkit import resources
 from dpkit.bench.trainer_baseline import TRAINER_RUN_PREFIX
-from dpkit.strategy import Strategy, get_strategy
+from dpkit.strategy import REFERENCE, Strategy, get_strategy
 
 # The folder holding the dpkit package (a checkout or site-packages): launched
 # processes import dpkit from it even when dpkit is not installed.
@@ -148,30 +148,18 @@ def workload_args(settings: dict) -> list[str]:
 
 
 def accelerate_config(
-    strategy: Strategy, overrides: dict, out: Path, deepspeed_json: Path | None = None
+    strategy: Strategy, overrides: dict, out: Path, backend_config: Path | None = None
 ) -> Path:
-    """The accelerate YAML of ``strategy`` for this bench, written into ``out/configs``.
-
-    dpkit's own YAML names its DeepSpeed JSON by a path relative to the repository
-    root; here it names the JSON by its absolute path (``deepspeed_json``, else dpkit's
-    packaged copy, or a copy with ``--zero-override`` applied), so the launch works
-    from any folder.
-    """
+    """The accelerate YAML of ``strategy`` for this bench, written into ``out/configs``
+    (:meth:`~dpkit.engines.base.Engine.accelerate_yaml`: a YAML that names a backend config
+    names it by its absolute path, ``backend_config`` or dpkit's packaged copy with
+    ``overrides`` applied, so the launch works from any folder)."""
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
-    text = resources.accelerate_config(strategy.name).read_text()
-    if strategy.uses_deepspeed:
-        json_path = deepspeed_json or resources.deepspeed_config(strategy.name)
-        if overrides and deepspeed_json is None:
-            template = json.loads(json_path.read_text())
-            template["zero_optimization"].update(overrides)
-            json_path = configs / f"{strategy.name}_tuned.json"
-            json_path.write_text(json.dumps(template, indent=2) + "\n")
-        relative = f"ds_configs/{strategy.name}.json"
-        if relative not in text:
-            # Else the YAML would keep a path that only resolves from a checkout's root.
-            raise BenchError(f"{resources.accelerate_config(strategy.name)}: names no {relative}")
-        text = text.replace(relative, str(Path(json_path).resolve()))
+    try:
+        text = strategy.engine.accelerate_yaml(strategy, configs, overrides, backend_config)
+    except ValueError as err:
+        raise BenchError(str(err)) from None
     path = configs / f"{strategy.name}.yaml"
     path.write_text(text)
     return path
@@ -206,22 +194,11 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -
         "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir),
     ]  # fmt: skip
-    if strategy.uses_deepspeed:
-        cmd = [
-            launcher_path("deepspeed"), "--num_gpus", nproc, "--master_port", port,
-            "--module", "dpkit.bench.bare_deepspeed",
-            "--zero-stage", str(strategy.zero_stage), *tail,
-        ]  # fmt: skip
-        return Phase(name, strategy, True, "deepspeed", cmd, run_dir, repeat=repeat)
-    module = ["--module", "dpkit.bench.bare_ddp"]
-    if strategy.uses_fsdp2:
-        reshard = str(strategy.reshard_after_forward).lower()
-        module = ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", reshard]
+    launcher, processes, module = strategy.engine.bare_baseline(strategy)
     cmd = [
-        launcher_path("torchrun"), "--nproc_per_node", nproc, "--master_port", port,
-        *module, *tail,
+        launcher_path(launcher), processes, nproc, "--master_port", port, *module, *tail,
     ]  # fmt: skip
-    return Phase(name, strategy, True, "torchrun", cmd, run_dir, repeat=repeat)
+    return Phase(name, strategy, True, launcher, cmd, run_dir, repeat=repeat)
 
 
 def floor_phase(settings: dict, out: Path) -> Phase:
@@ -235,7 +212,7 @@ def floor_phase(settings: dict, out: Path) -> Phase:
         "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir),
     ]  # fmt: skip
-    return Phase(FLOOR_RUN, get_strategy("ddp"), True, "torchrun", cmd, run_dir, nproc=1)
+    return Phase(FLOOR_RUN, REFERENCE, True, "torchrun", cmd, run_dir, nproc=1)
 
 
 def collectives_phase(settings: dict, out: Path) -> Phase:
@@ -318,7 +295,7 @@ def plan_phases(settings: dict, out: Path) -> list[Phase]:
                 phases.append(bare_phase(strategy, settings, out, repeat))
     if settings["nproc"] > 1 and settings["bare"]:
         phases.append(
-            finetune_phase(get_strategy("ddp"), settings, out, nproc=1)
+            finetune_phase(REFERENCE, settings, out, nproc=1)
             if classification
             else floor_phase(settings, out)
         )

@@ -21,6 +21,11 @@ COLLECTIVE_ROWS = (
     ("zero_allgather", "all-gather of the parameter partitions", "ZeRO-1/2, after the step"),
 )
 """The collectives phase's patterns: key in collectives.json, what it is, who uses it."""
+_COLLECTIVE_NAMES = {
+    "ddp_allreduce": "allreduce",
+    "zero_reduce": "reduction",
+    "zero_allgather": "all-gather",
+}
 
 
 def mib(value: float | None) -> str:
@@ -107,7 +112,7 @@ def _strategy_table(results: dict[str, Any]) -> list[str]:
         "predict; total adds the communication buffers. paper = the ZeRO paper's accounting "
         "(dpkit.memory.analytic; in mixed precision with the fp32 gradient partition "
         "DeepSpeed's step casts); plan = `dpkit plan` for this run, with gradients as "
-        "DeepSpeed's layout holds them (dpkit.memory.zero_layout).",
+        "DeepSpeed's layout holds them (dpkit.engines.deepspeed.layout).",
         "",
         "| strategy | params | grads | optimizer | master | states | buffers | total | paper "
         f"| plan | peak ({first['memory']['peak_kind']}) | saved vs DDP, measured "
@@ -145,9 +150,10 @@ def _gradient_lines(results: dict[str, Any]) -> list[str]:
     reference = runs.get(REFERENCE.name)
     lines = []
     for strategy in result_strategies(results):
-        if not strategy.uses_deepspeed or strategy.zero_stage != 2 or reference is None:
-            continue
         memory, plan = runs[strategy.name]["memory"], runs[strategy.name]["plan"]
+        # A layout the plan worked out per rank (DeepSpeed's partitions), gradients sharded.
+        if strategy.zero_stage != 2 or not plan.get("grads_where") or reference is None:
+            continue
         share = max((r["grads_partition"] or 0.0) for r in memory["ranks"])
         lines += [
             "",
@@ -280,24 +286,24 @@ def _collectives_lines(results: dict[str, Any]) -> list[str]:
         )
     runs = results["runs"]
     reference = runs.get(REFERENCE.name)
-    zero = [s for s in result_strategies(results) if s.uses_deepspeed]
-    if reference is None or not zero:
+    # Strategies whose collectives the phase timed, beside the reference's.
+    timed = [s for s in result_strategies(results) if s is not REFERENCE and s.engine.collectives]
+    if reference is None or not timed:
         return lines
-    zero_comm = patterns["zero_reduce"]["median_s"] + patterns["zero_allgather"]["median_s"]
     reference_step = reference["median_step_time_s"]
     over = ", ".join(
         f"{s.label} {1e3 * (runs[s.name]['median_step_time_s'] - reference_step):+.0f} ms"
-        for s in zero
+        for s in timed
     )
-    return [
-        *lines,
-        "",
-        f"Step time over DDP's: {over}. ZeRO's reduction and all-gather "
-        f"take {zero_comm * 1e3:.0f} ms together against DDP's allreduce "
-        f"{patterns['ddp_allreduce']['median_s'] * 1e3:.0f} ms, which DDP also "
-        "overlaps with backward; where DeepSpeed runs its collectives on the "
-        "compute thread (a CPU accelerator), none of ZeRO's is hidden.",
+    reference_comm = sum(patterns[k]["median_s"] for k in REFERENCE.engine.collectives)
+    sentences = [
+        f"{engine.label}'s {' and '.join(_COLLECTIVE_NAMES[k] for k in engine.collectives)} "
+        f"take {1e3 * sum(patterns[k]['median_s'] for k in engine.collectives):.0f} ms together "
+        f"against DDP's allreduce {reference_comm * 1e3:.0f} ms, which DDP also overlaps with "
+        f"backward{engine.collectives_note}."
+        for engine in dict.fromkeys(s.engine for s in timed)
     ]
+    return [*lines, "", f"Step time over DDP's: {over}. " + " ".join(sentences)]
 
 
 def _trainer_lines(results: dict[str, Any]) -> list[str]:
@@ -357,7 +363,7 @@ def _zero_settings_lines(results: dict[str, Any]) -> list[str]:
     parts = []
     for strategy in result_strategies(results):
         run = results["runs"][strategy.name]
-        if not strategy.uses_deepspeed or "ds_config" not in run:
+        if "ds_config" not in run:  # the runs of a backend configured by a DeepSpeed JSON
             continue
         zero = {k: v for k, v in run["ds_config"]["zero_optimization"].items() if k != "stage"}
         parts.append(f"{strategy.label} " + ", ".join(f"{k}={v}" for k, v in zero.items()))

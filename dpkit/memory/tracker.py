@@ -8,7 +8,8 @@ main process)::
     ...train...
     report = tracker.write_report("out/memory_report.json", step=step)   # a collective
 
-(:meth:`dpkit.Run.track_memory` fills in the strategy and precision.)
+(:meth:`dpkit.Run.prepare` starts one with the run's strategy and precision, and
+:meth:`dpkit.Run.finish` writes its report.)
 
 What is measured (:mod:`dpkit.memory.walk`): parameters, gradients, optimizer
 state, fp32 master copies and buffers (DDP's reducer buckets, DeepSpeed's ipg
@@ -16,7 +17,7 @@ bucket...), each storage counted once, with the name of what holds it; the
 bytes autograd saved for backward (activations); and the peak
 (:mod:`dpkit.memory.peak`). Gradients live for a fraction of each step and,
 under DeepSpeed, not in ``param.grad``: the probes (:mod:`dpkit.memory.probes`)
-catch them where each strategy holds them. What is predicted:
+catch them where each strategy's engine holds them. What is predicted:
 :func:`dpkit.memory.analytic.model_state_bytes`.
 """
 
@@ -33,7 +34,7 @@ from dpkit.memory.categories import MODEL_STATES
 from dpkit.memory.peak import current_summary, peak_figures, reset_peak
 from dpkit.memory.probes import StepProbes
 from dpkit.memory.report import MemoryReport
-from dpkit.memory.walk import memory_settings_in_effect, unwrap_module, unwrap_optimizer, walk
+from dpkit.memory.walk import unwrap_module, walk
 from dpkit.models import count_parameters
 from dpkit.strategy import Strategy, get_strategy
 
@@ -92,6 +93,7 @@ def peak_breakdown(
 
 def measure_rank(
     accelerator: Any,
+    engine: Any,
     model: torch.nn.Module,
     optimizer: Any,
     probes: StepProbes | None = None,
@@ -100,10 +102,11 @@ def measure_rank(
     """Bytes held on this rank by category, with the holder of each byte and the peak.
 
     Categories are high-waters over the steps ``probes`` saw, or the tensors held
-    right now when there are none. ``rss_reset``: whether the RSS high-water was reset
+    right now when there are none. ``engine`` knows where the backend keeps its state.
+    ``rss_reset``: whether the RSS high-water was reset
     (:func:`dpkit.memory.peak.reset_peak`) rather than running from process start.
     """
-    now = walk(model, optimizer)
+    now = walk(engine, model, optimizer)
     row: dict[str, Any] = {"rank": int(getattr(accelerator, "process_index", 0))}
     holders: dict[str, dict[str, float]] = {}
     points: dict[str, str] = {}
@@ -157,7 +160,7 @@ def measure_rank(
     peak.update(peak_breakdown(peak, baseline, worst))
     row["peak"] = peak
     row["device"] = str(device) if device is not None else "cpu"
-    row["settings"] = memory_settings_in_effect(model, optimizer)
+    row["settings"] = engine.settings_in_effect(model, optimizer)
     # A probe point this DeepSpeed lacks: gradients held only there were not seen.
     row["unprobed"] = list(probes.missing) if probes is not None else []
     row["grads_measured"] = probes is not None and not probes.missing
@@ -222,7 +225,7 @@ class MemoryTracker:
         self._steps_seen = 0
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
         self.probes = (
-            StepProbes(model, optimizer, count_activations=count_activations)
+            StepProbes(model, optimizer, self.strategy.engine, count_activations=count_activations)
             if probe_steps != 0
             else None
         )
@@ -254,7 +257,12 @@ class MemoryTracker:
     def measure(self) -> dict[str, Any]:
         """This rank's row (no collective)."""
         return measure_rank(
-            self.accelerator, self.model, self.optimizer, self.probes, self.rss_reset
+            self.accelerator,
+            self.strategy.engine,
+            self.model,
+            self.optimizer,
+            self.probes,
+            self.rss_reset,
         )
 
     def summary(self) -> str:
@@ -289,11 +297,7 @@ class MemoryTracker:
                 "high-water (it also holds the interpreter and libraries, and untouched "
                 "allocations are not resident)"
             )
-        owner = unwrap_optimizer(self.optimizer)
-        if self.strategy.uses_deepspeed and not hasattr(owner, "bit16_groups_flat"):
-            notes.append(
-                f"strategy {self.strategy.name!r} but no ZeRO optimizer found: measured as plain torch"
-            )
+        notes += self.strategy.engine.report_notes(self.strategy, self.model, self.optimizer)
         return MemoryReport(
             strategy=self.strategy.name,
             precision=self.precision,
@@ -306,7 +310,9 @@ class MemoryTracker:
             notes=notes,
             largest_param=largest_param(self.model),
             offload_optimizer=self.offload_optimizer,
-            param_shapes=param_shapes(self.model) if self.strategy.uses_fsdp2 else None,
+            param_shapes=(
+                param_shapes(self.model) if self.strategy.engine.report_param_shapes() else None
+            ),
         )
 
     def log_report(self, step: int | None = None) -> MemoryReport | None:
@@ -316,12 +322,14 @@ class MemoryTracker:
             logger.info("memory at step %s\n%s", step, report.format_table())
         return report
 
-    def write_report(self, path: str | Path, step: int | None = None) -> MemoryReport | None:
-        """:meth:`report`, then on the main process: saved as JSON at ``path``, printed as
-        a table, and logged under ``memory/*`` to the accelerator's trackers."""
+    def write_report(self, path: str | Path | None, step: int | None = None) -> MemoryReport | None:
+        """:meth:`report`, then on the main process: saved as JSON at ``path`` (None: not
+        saved), printed as a table, and logged under ``memory/*`` to the accelerator's
+        trackers."""
         report = self.report(step)
         if report is not None:
-            report.save(path)
+            if path is not None:
+                report.save(path)
             logger.info("memory per rank\n%s", report.format_table())
             self.accelerator.log(report.tracker_scalars(), step=step)
         return report

@@ -10,8 +10,8 @@ bytes). The plan is made with those settings, so a disagreement is the model's, 
 the inputs'. Per model-state category the plan's per-GPU figure (the worst rank) is
 set against the largest measured rank, with the error in percent; for ZeRO the
 paper's gradient figure is shown too, since that is what DeepSpeed's layout departs
-from (:mod:`dpkit.memory.zero_layout`). An FSDP2 run is planned as FSDP2 (its shards
-padded per parameter, :mod:`dpkit.memory.fsdp2_layout`), never with DeepSpeed's layout.
+from (:mod:`dpkit.engines.deepspeed.layout`). An FSDP2 run is planned as FSDP2 (its shards
+padded per parameter, :mod:`dpkit.engines.fsdp2.layout`), never with DeepSpeed's layout.
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def format_check(check: PlanCheck) -> str:
         lines += [
             "",
             f"grads: {check.grads_where}; the ZeRO paper's figure would be "
-            f"{check.grads_paper / MIB:.1f} MiB (see dpkit.memory.zero_layout)",
+            f"{check.grads_paper / MIB:.1f} MiB (see dpkit.engines.deepspeed.layout)",
         ]
     return "\n".join(lines)
 

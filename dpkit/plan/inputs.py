@@ -153,13 +153,13 @@ class ModelSpec:
     """Whether the MLP is gated (SwiGLU: gate and up projections), for the formula."""
     param_groups: tuple[tuple[int, ...], ...] = ()
     """Elements of each parameter, per optimizer group of the recipes, in order: the
-    layout DeepSpeed partitions (:mod:`dpkit.memory.zero_layout`). Empty for a bare count."""
+    layout DeepSpeed partitions (:mod:`dpkit.engines.deepspeed.layout`). Empty for a bare count."""
     param_order: tuple[tuple[int, int], ...] = ()
     """(group, index in ``param_groups``) of every parameter in the model's own order:
     backward produces their gradients roughly in reverse. Empty for a bare count."""
     param_shapes: tuple[tuple[int, ...], ...] = ()
     """The shape of every parameter in the model's own order (tied ones once): FSDP2 shards
-    each on dim 0 (:mod:`dpkit.memory.fsdp2_layout`). Empty for a bare count."""
+    each on dim 0 (:mod:`dpkit.engines.fsdp2.layout`). Empty for a bare count."""
     param_units: tuple[int, ...] = ()
     """For each of ``param_shapes``, the FSDP2 unit holding it: the index of the
     transformer layer (a module of a class in the model's ``_no_split_modules``) it is
@@ -279,10 +279,10 @@ def fsdp2_units(model: Any) -> dict[int, int]:
     """``id(parameter)`` -> the index of the layer dpkit's FSDP2 makes a unit of it in, for
     the parameters inside one (the innermost where they nest); the rest belong to the
     root. The layer classes are the ones a run picks by default
-    (:func:`dpkit.train.fsdp2.layer_classes`); a model without any has only the root. A
+    (:func:`dpkit.engines.fsdp2.shard.layer_classes`); a model without any has only the root. A
     module ``fully_shard`` already wrapped keeps its class among its bases, so a live
     model reads the same."""
-    from dpkit.train.fsdp2 import layer_classes
+    from dpkit.engines.fsdp2.shard import layer_classes
 
     try:
         classes = set(layer_classes(model, asked_by="dpkit plan"))

@@ -87,28 +87,6 @@ def _row_line(row: StrategyEstimate, plan: Plan) -> str:
     )
 
 
-def _fsdp2_line(row: StrategyEstimate) -> str:
-    """What an FSDP2 row's buffers hold whole, for the notes under the table."""
-    parts = row.buffer_parts
-    if "fsdp2_reduce_scatter" not in parts:
-        return f"  {row.label}: a bare --params has no layout: " + (
-            "whole gradients not counted"
-            if "fsdp2_whole_params" in parts
-            else "whole parameters and gradients not counted"
-        )
-    held = (
-        "the root's and two layers'"
-        if get_strategy(row.strategy).reshard_after_forward
-        else "every layer's and the root's, each from its forward to its backward"
-    )
-    grads = parts["fsdp2_root_whole_grads"] + parts["fsdp2_reduce_scatter"]
-    return (
-        f"  {row.label}: whole parameters {format_gib(parts['fsdp2_whole_params'])} ({held}, "
-        f"in the compute dtype), whole gradients and reduce-scatter input {format_gib(grads)} "
-        "(dpkit.memory.fsdp2_layout)"
-    )
-
-
 def format_table(plan: Plan) -> str:
     """The human-readable plan."""
     inputs = plan.inputs
@@ -128,20 +106,15 @@ def format_table(plan: Plan) -> str:
     largest_text = (
         f"; largest micro-batch that fits under it: {largest}" if largest is not None else ""
     )
-    offload = next(r for r in plan.rows if get_strategy(r.strategy).offload)
-    settings = plan.settings
-    ddp_buckets = (
-        "DDP gradients are views of its buckets"
-        if settings["gradient_as_bucket_view"]
-        else "DDP's buckets copy every gradient"
-    )
+    offloaded = [r for r in plan.rows if r.applicable and r.host_offload]
+    engines = list(dict.fromkeys(get_strategy(r.strategy).engine for r in plan.rows))
     laid_out = [r for r in plan.rows if r.applicable and r.grads_where]
-    fsdp2 = [r for r in plan.rows if r.applicable and get_strategy(r.strategy).uses_fsdp2]
     lines += [
         total_rule,
         *(
-            f"{r.label} grads: DeepSpeed's layout, worst {r.grads_where}: {format_gib(r.grads)} "
-            f"(the ZeRO paper's figure: {format_gib(r.grads_paper)}; dpkit.memory.zero_layout)"
+            f"{r.label} grads: {get_strategy(r.strategy).engine.label}'s layout, worst "
+            f"{r.grads_where}: {format_gib(r.grads)} (the ZeRO paper's figure: "
+            f"{format_gib(r.grads_paper)})"
             for r in laid_out
         ),
         "",
@@ -150,12 +123,18 @@ def format_table(plan: Plan) -> str:
         f"  why: {plan.reason}",
         "",
         _describe_method(plan),
-        f"host memory: {offload.label} keeps {format_gib(offload.host_offload)} per GPU in "
-        f"host RAM ({format_gib(offload.host_offload * inputs.gpus_per_node)} per node)",
-        f"buffers: {ddp_buckets}; ZeRO reduce bucket {settings['reduce_bucket_size']:,} "
-        f"elements, overlap_comm {settings['overlap_comm']} (dpkit.memory.settings over "
-        "DeepSpeed's defaults)",
-        *(_fsdp2_line(r) for r in fsdp2),
+        *(
+            f"host memory: {r.label} keeps {format_gib(r.host_offload)} per GPU in "
+            f"host RAM ({format_gib(r.host_offload * inputs.gpus_per_node)} per node)"
+            for r in offloaded
+        ),
+        "buffers: "
+        + "; ".join(text for e in engines if (text := e.plan_settings_text(plan.settings))),
+        *(
+            note
+            for r in plan.rows
+            if r.applicable and (note := get_strategy(r.strategy).engine.plan_row_note(r))
+        ),
         "not counted:",
         *(f"  - {item}" for item in NOT_COUNTED),
     ]

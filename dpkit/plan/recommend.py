@@ -69,54 +69,6 @@ def recommendation_order() -> list[Strategy]:
     return [s for s in strategies if s.runnable] + [s for s in strategies if not s.runnable]
 
 
-def _why(strategy: Strategy, row: StrategyEstimate, inputs: PlanInputs) -> str:
-    """What choosing ``strategy`` buys and costs, from what it shards."""
-    n = inputs.world_size
-    if strategy.uses_fsdp2 and not strategy.reshard_after_forward:
-        return (
-            f"{strategy.label} shards parameters, gradients and optimizer state {n} ways between "
-            "steps and keeps each layer's parameters whole from its forward to its backward "
-            "(torch fully_shard: an all-gather and a reduce-scatter per step, DDP's volume; no "
-            "DeepSpeed engine): the least sharding dpkit runs that fits."
-        )
-    if strategy.uses_fsdp2:
-        return (
-            f"{strategy.label} also frees each layer's whole parameters after its forward and "
-            "all-gathers them again in backward (1.5x DDP's communication), holding about two "
-            "layers whole at a time: the least sharding dpkit runs that fits."
-        )
-    if strategy.offload:
-        return (
-            "Offload keeps ZeRO-2's sharding and moves optimizer state, master weights and fp32 "
-            f"gradients to host memory ({format_gib(row.host_offload)} per GPU, "
-            f"{format_gib(row.host_offload * inputs.gpus_per_node)} per node); the optimizer "
-            "step runs on the CPU and gradients and weights cross PCIe every step, so steps "
-            "slow down."
-        )
-    if strategy.zero_stage == 0:
-        return (
-            f"{strategy.label} fits ({format_gib(row.total)} of {format_gib(inputs.usable)} "
-            "usable): nothing needs sharding, and ZeRO would add a DeepSpeed engine and sharded "
-            "checkpoints for memory that is not needed."
-        )
-    if strategy.zero_stage == 1:
-        return (
-            f"{strategy.label} shards optimizer state and master weights {n} ways at DDP's "
-            "communication volume (ZeRO paper: 2x parameters per step): the least sharding "
-            "that fits."
-        )
-    if strategy.zero_stage == 2:
-        return (
-            f"{strategy.label} also shards gradients {n} ways (reduce-scatter during backward, "
-            "still DDP's volume): the least sharding that fits."
-        )
-    return (
-        "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
-        "backward (1.5x DDP's communication). dpkit runs DeepSpeed up to ZeRO-2, and FSDP2 "
-        "full-shard does not fit; ZeRO-3 needs a DeepSpeed config of your own."
-    )
-
-
 def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: PlanInputs) -> str:
     """Why ``chosen``: the strategies tried before it that need too much (``rows`` in
     :func:`recommendation_order`), then what it does."""
@@ -128,7 +80,7 @@ def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: Plan
         too_big = [f"{r.label} needs {format_gib(r.total)}" for r in skipped if r.applicable]
         usable = format_gib(inputs.usable)
         prefix = f"{'; '.join(too_big)}, over the {usable} usable per GPU. " if too_big else ""
-    return prefix + _why(strategy, chosen, inputs)
+    return prefix + strategy.engine.why(strategy, chosen, inputs)
 
 
 def _nothing_fits(inputs: PlanInputs, rows: list[StrategyEstimate]) -> UsageError:

@@ -1,15 +1,18 @@
 """Training setup: everything between the command line and the training loop.
 
-* :mod:`~dpkit.train.config`: the flags, as dataclasses validated when built;
-* :mod:`~dpkit.train.launch`: the strategy and precision the flags and the launcher ask for;
-* :mod:`~dpkit.train.deepspeed_config`: DeepSpeed JSON read, checked and resolved in one pass
-  (:mod:`~dpkit.train.ds_config_keys`: the keys the installed DeepSpeed knows);
-* :mod:`~dpkit.train.resolve`: the run resolved once, before any process group;
-* :mod:`~dpkit.train.run`: the Accelerator for it, and the check after ``prepare``;
+* :mod:`~dpkit.train.config`: the flags every recipe shares, as dataclasses validated
+  when built, and the command-line parser; :mod:`~dpkit.train.finetune_config`: the
+  fine-tuning recipe's own flags and schedule;
+* :mod:`~dpkit.train.launcher`: the strategy and precision the flags and the launcher ask for;
+* :mod:`~dpkit.train.resolution`: the run resolved once, before any process group (the
+  strategy's engine builds its settings: :mod:`dpkit.engines`);
+* :mod:`~dpkit.train.run`: :func:`~dpkit.train.run.setup` and the :class:`~dpkit.train.run.Run`
+  a script drives (prepare, checkpoints, the report);
 * :mod:`~dpkit.train.guards`: stop requests, non-finite losses, collective failures, exit codes;
-* :mod:`~dpkit.train.checkpoint` and :mod:`~dpkit.train.full_state`: portable checkpoints;
-  :mod:`~dpkit.train.consolidate`: ``dpkit consolidate``;
-* :mod:`~dpkit.train.run_output` and :mod:`~dpkit.train.progress`: the run's files, its log and throughput.
+* :mod:`~dpkit.train.output`, :mod:`~dpkit.train.progress`, :mod:`~dpkit.train.phases`:
+  the run's files, its per-step log and throughput, and where each step's time went;
+* :mod:`~dpkit.train.evaluation`: a classifier's metrics over every rank.
 
-The names scripts use are exported from the top-level ``dpkit`` package.
+Checkpoints are :mod:`dpkit.checkpoints`. The names scripts use are exported from the
+top-level ``dpkit`` package.
 """

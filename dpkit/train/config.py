@@ -87,7 +87,7 @@ class StrategyConfig:
             "else its list of repeated blocks."
         },
     )
-    """FSDP2's units; None: found in the model (:func:`dpkit.train.fsdp2.layer_classes`)."""
+    """FSDP2's units; None: found in the model (:func:`dpkit.engines.fsdp2.shard.layer_classes`)."""
 
     @property
     def fsdp_layer_class_names(self) -> tuple[str, ...]:
@@ -107,7 +107,7 @@ class StrategyConfig:
         if self.deepspeed is not None and not Path(self.deepspeed).is_file():
             raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
         named = None if self.strategy == "auto" else get_strategy(self.strategy)
-        if self.deepspeed is not None and named is not None and not named.uses_deepspeed:
+        if self.deepspeed is not None and named is not None and not named.engine.reads_config_file:
             raise UsageError(
                 f"--strategy={self.strategy} conflicts with --deepspeed={self.deepspeed!r}: "
                 "drop one of them"
@@ -125,7 +125,9 @@ def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
     """Parse a command line into ``config_classes`` (dataclasses, validated when built) with
     transformers' ``HfArgumentParser``.
 
-    Bad input (argparse's own errors, a misspelled flag, a value a dataclass refuses)
+    A run starts here: dpkit's log lines and library warnings are set to appear once per
+    job (:func:`dpkit.train.run.log_once_per_job`). Bad input (argparse's own errors, a
+    misspelled flag, a value a dataclass refuses)
     prints one line naming the flag and its value, from rank 0 only (every rank parses
     the same line), and exits with code 2, before anything starts. ``--local_rank=N``,
     which the ``deepspeed`` launcher appends, is dropped (``LOCAL_RANK`` carries it).
@@ -138,6 +140,9 @@ def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
         def error(self, message: str) -> NoReturn:
             raise UsageError(message)
 
+    from dpkit.train.run import log_once_per_job
+
+    log_once_per_job()  # a run starts here: dpkit's lines and library warnings once per job
     parser = OneLineParser(config_classes)
     argv = _without_local_rank(sys.argv[1:] if argv is None else argv)
     try:
@@ -180,7 +185,7 @@ def _unknown_argument(remaining: list[str], config_classes: tuple[type, ...]) ->
 
 def config_dict(*configs: object) -> dict:
     """All fields of the given dataclasses, the command line and the launcher's
-    environment, for ``run_config.json``. Call it before :func:`dpkit.start`: accelerate
+    environment, for ``run_config.json``. Call it before the run starts: accelerate
     writes ``ACCELERATE_*`` variables of its own into the environment once it runs."""
     merged: dict = {}
     for cfg in configs:

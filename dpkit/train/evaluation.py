@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 from dpkit.resources import metric_dir
-from dpkit.train.fsdp2 import reshard
 
 
 class ClassifierMetrics:
@@ -30,11 +29,13 @@ class ClassifierMetrics:
         self.accuracy = evaluate.load(str(metric_dir("accuracy")))
         self.f1 = evaluate.load(str(metric_dir("f1")))
 
-    def evaluate(self, accelerator: Any, model: Any, loader: Any) -> dict[str, float]:
+    def evaluate(self, run: Any, model: Any, loader: Any) -> dict[str, float]:
         """Predict ``loader`` on every rank (a collective) and score it: accuracy, F1 and
-        the mean cross-entropy per example (``loss``); the model is left in training mode."""
+        the mean cross-entropy per example (``loss``); the model is left in training mode.
+        ``run``: the :class:`~dpkit.train.run.Run` the model was prepared by."""
         import torch
 
+        accelerator = run.accelerator
         model.eval()
         predictions, references, losses = [], [], []
         for batch in loader:
@@ -49,7 +50,7 @@ class ClassifierMetrics:
             predictions += preds.tolist()
             references += labels.tolist()
             losses += batch_losses.tolist()
-        reshard(model)  # FSDP2 shard-grad-op keeps whole parameters after a forward
+        run.evaluation_done(model)  # FSDP2 shard-grad-op keeps whole parameters after a forward
         model.train()
         result = self.score(predictions, references)
         result["loss"] = sum(losses) / len(losses) if losses else float("nan")

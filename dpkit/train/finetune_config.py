@@ -15,7 +15,7 @@ from typing import Any
 from dpkit.errors import UsageError, check_field
 from dpkit.models import max_positions
 from dpkit.train.config import StrategyConfig, check_choice, parse_args
-from dpkit.train.run_output import check_output_dir
+from dpkit.train.output import check_output_dir
 
 SCALE_LR_CHOICES = ("none", "linear", "sqrt")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant_with_warmup")
@@ -206,7 +206,7 @@ class TrainConfig:
             "step, 0: never)."
         },
     )
-    """The memory probes (``dpkit.MemoryTracker``) walk each rank's tensors where its
+    """The memory probes (:class:`dpkit.memory.MemoryTracker`) walk each rank's tensors where its
     strategy holds gradients during the first N optimizer steps, then come off with their
     high-waters kept: model states are the same every step, and the walks cost 10 ms a
     step under DDP and 50 ms under ZeRO-2 (MiniLM, 2 CPU processes). -1 walks every step;
@@ -296,8 +296,9 @@ class TrainConfig:
         self._check_output_dir()
 
     def run_settings(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`dpkit.resolve` these flags set: batch layout,
-        clipping and the optimizer's lr and decay."""
+        """The keyword arguments of :func:`dpkit.setup` these flags set: batch layout,
+        clipping, the optimizer's lr and decay, the seeds, the checkpoints and the memory
+        probes."""
         return {
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
@@ -305,6 +306,11 @@ class TrainConfig:
             "learning_rate": self.learning_rate,
             "scale_lr": self.scale_lr,
             "weight_decay": self.weight_decay,
+            "seed": self.seed,
+            "data_seed": self.seed,
+            "keep_last": self.save_total_limit,
+            "save_checkpoints": self.save_checkpoints,
+            "memory_probe_steps": self.memory_probe_steps,
         }
 
     def schedule(self, train_examples: int, world_size: int) -> Schedule:

@@ -13,6 +13,7 @@ collective per step.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -20,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
@@ -264,6 +265,32 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def print_usage_error(err: UsageError) -> None:
+    """Bad input as one line on stderr naming the program: once for the job, by rank 0
+    (every rank meets the same input); another rank says it only if rank 0 did not
+    (an input only that rank sees) after a grace period."""
+    prog = Path(sys.argv[0]).name
+    rank = os.environ.get("RANK", "0")
+    if rank != "0":
+        # Leaving first would let the launcher kill rank 0 before it could print.
+        time.sleep(USAGE_ERROR_GRACE_S)
+        print(f"{prog}: error: rank {rank}: {err}", file=sys.stderr, flush=True)
+    else:
+        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def refuse_and_exit() -> Iterator[None]:
+    """Bad input inside the block ends the program the way a command line does: one line
+    (:func:`print_usage_error`) and ``SystemExit(2)``, with no traceback, so that a
+    script of the user's own needs no :func:`run_and_exit` for its refusals."""
+    try:
+        yield
+    except UsageError as err:
+        print_usage_error(err)
+        raise SystemExit(EXIT_USAGE) from None
+
+
 def run_and_exit(main: Callable[[], None]) -> NoReturn:
     """A recipe's entry point: ``main()``, then :func:`exit_process`.
 
@@ -284,14 +311,7 @@ def run_and_exit(main: Callable[[], None]) -> NoReturn:
             raise
         exit_process(exiting.code)
     except UsageError as err:
-        if rank != "0":
-            # Every rank reads the same input, so rank 0 meets the same error and prints
-            # it; leaving first would let the launcher kill rank 0 before it could. If
-            # rank 0 did not (an input only this rank sees), say it after all.
-            time.sleep(USAGE_ERROR_GRACE_S)
-            print(f"{prog}: error: rank {rank}: {err}", file=sys.stderr, flush=True)
-        else:
-            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        print_usage_error(err)
         exit_process(EXIT_USAGE)
     except NonFiniteLossError as err:
         if rank == "0":

@@ -1,7 +1,7 @@
 """Progress of a run: throughput, and what each optimizer step logs (file, bar, log line, trackers).
 
 One progress bar and one log line per logging step, both from the main process;
-every step's record goes to ``train_log.jsonl`` (:class:`~dpkit.train.run_output.RunOutput`
+every step's record goes to ``train_log.jsonl`` (:class:`~dpkit.train.output.RunOutput`
 writes on the main process only).
 
 A step whose update was skipped for a gradient overflow (fp16's loss scaling, or
@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from dpkit.train.checkpointer import Position
     from dpkit.train.phases import StepPhases
 
 logger = logging.getLogger("dpkit")
@@ -67,50 +66,43 @@ class TrainingLog:
 
     def __init__(
         self,
-        accelerator: Any,
-        output: Any,
+        run: Any,
         *,
         total_steps: int,
         logging_steps: int,
-        initial_step: int = 0,
-        memory: Any = None,
-        position: Position | None = None,
         phases: StepPhases | None = None,
     ) -> None:
         """
         Args:
-            accelerator: the run's Accelerator, after ``prepare`` (main process, trackers,
-                whether the last optimizer step was skipped, the fp16 loss scaler).
-            output: the run's :class:`~dpkit.train.run_output.RunOutput`.
+            run: the prepared :class:`~dpkit.train.run.Run`: its Accelerator (main process,
+                trackers, whether the last optimizer step was skipped), its folder, its
+                memory tracker (the memory in the log line), its engine (the fp16 loss
+                scaler, the backend's own timing) and its ``position``, where a resumed run
+                starts and whose ``skipped_steps`` this log counts on, so that
+                checkpoints carry the count.
             total_steps: optimizer steps the run makes (the bar's length).
             logging_steps: a log line every N steps.
-            initial_step: where a resumed run starts (ignored with ``position``).
-            memory: a :class:`~dpkit.memory.MemoryTracker`, for the memory in the log line.
-            position: the run's :class:`~dpkit.train.checkpointer.Position`: where a
-                resumed run starts, and whose ``skipped_steps`` this log counts on, so
-                that checkpoints carry the count. None: a count of this log's own.
             phases: a :class:`~dpkit.train.phases.StepPhases` on the prepared model and
                 optimizer: every record then says where its step's time went
                 (``data_s``, ``forward_s``, ``backward_s``, ``optimizer_s``, ``other_s``),
-                and ``train_summary.json`` holds DDP's own timing (``ddp_timing``).
+                and ``train_summary.json`` holds the backend's own timing (DDP's:
+                ``ddp_timing``).
         """
         from tqdm.auto import tqdm
 
-        from dpkit.train.checkpointer import Position
-        from dpkit.train.full_state import LossScaler
-
-        self.accelerator = accelerator
-        self.output = output
+        self.accelerator = run.accelerator
+        self.output = run.output
+        self.engine = run.engine
         self.total_steps = total_steps
         self.logging_steps = logging_steps
-        self.memory = memory
+        self.memory = run.memory
         self.phases = phases
-        self.position = position if position is not None else Position(step=initial_step)
+        self.position = run.position
         self.last_step = self.position.step
         # Found once (TrainingLog is made after prepare, when the scaler exists).
-        self._scaler = LossScaler.of(accelerator)
+        self._scaler = self.engine.loss_scaler(self.accelerator)
         self._loss_scale = None if self._scaler is None else self._scaler.scale
-        self.throughput = Throughput(world_size=accelerator.num_processes)
+        self.throughput = Throughput(world_size=self.accelerator.num_processes)
         # Per-step figures a record leaves out (a recipe may time its own steps): wall and
         # CPU time since the last step, and this rank's samples and tokens in the step.
         self._step_tokens: Any = 0
@@ -120,7 +112,7 @@ class TrainingLog:
             total=total_steps,
             initial=self.position.step,
             desc="train",
-            disable=not accelerator.is_main_process,
+            disable=not self.accelerator.is_main_process,
         )
 
     @property
@@ -213,8 +205,8 @@ class TrainingLog:
     def close(self) -> None:
         """Close the bar and write ``train_summary.json``: the last step, how many of the
         run's steps were skipped (they count in ``last_step``), the final loss scale, and
-        with ``phases`` DDP's own timing of its forward, backward and allreduce (None when
-        not DDP)."""
+        with ``phases`` the backend's own timing (DDP's of its forward, backward and
+        allreduce: ``ddp_timing``, None under the other engines)."""
         self.progress.close()
         summary = {
             "last_step": self.last_step,
@@ -222,9 +214,7 @@ class TrainingLog:
             "loss_scale": self._loss_scale,
         }
         if self.phases is not None:
-            from dpkit.train.phases import ddp_timing
-
-            summary["ddp_timing"] = ddp_timing(self.phases.model)
+            summary.update(self.engine.own_timing(self.phases.model))
             self.phases.remove()
         self.output.write_json("train_summary.json", summary)
         if self.position.skipped_steps and self.accelerator.is_main_process:

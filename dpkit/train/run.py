@@ -1,16 +1,15 @@
-"""Starting a run: the Accelerator for a :class:`~dpkit.train.resolve.Resolution`, and what a script asks of it.
+"""A run: the Accelerator for a :class:`~dpkit.train.resolution.Resolution`, and everything a training script asks of it.
 
-Three steps, each usable alone::
+One way in, four calls::
 
-    resolution = resolve(args, model=model, micro_batch_size=16)  # pure: no process group
-    run = start(resolution)                                        # the Accelerator
-    model = run.shard_model(model)                                 # FSDP2; else unchanged
-    ...optimizer over model.parameters()..., accelerator.prepare(...)...
-    info = run.check(model, optimizer)                             # what really runs, or an error
+    run = dpkit.setup(model=model, micro_batch_size=16, output_dir="out")  # checked; nothing started
+    model, optimizer, loader = run.prepare(model, optimizer, loader)        # wrap, check, track
+    run.save_checkpoint(model, optimizer, step=step)                        # every rank
+    run.finish(step=step)                                                   # every rank: the report
 
-:func:`setup` is the first two in one call.
-
-What :func:`start` works around (measured, see ``../shared/STACK-NOTES.md``):
+:func:`setup` resolves the strategy from the flags and the launcher (bad input: one
+line and exit code 2, before any process group); the Accelerator starts at its first use,
+working around what the bare stack gets wrong (docs/stack-notes.md):
 
 * ``accelerate launch --multi_gpu`` without CUDA starts N processes that each train
   alone unless the Accelerator is built with ``cpu=True``;
@@ -19,31 +18,29 @@ What :func:`start` works around (measured, see ``../shared/STACK-NOTES.md``):
 * ``python recipe.py --strategy zero2`` (or an FSDP2 strategy) has no process group: a
   one-process rendezvous on localhost is set up;
 * accelerate's FSDP2 path needs an accelerator device (on CPU an FSDP YAML runs
-  unconnected copies): dpkit applies ``fully_shard`` itself (:meth:`Run.shard_model`)
-  and accelerate prepares the sharded model without a wrapper.
+  unconnected copies): the FSDP2 engine applies ``fully_shard`` itself.
 
-:meth:`Run.check`, after ``accelerator.prepare``, turns a silent mis-launch (processes
-that would train unconnected copies, a model not wrapped as asked) into an error and
-logs, once, what really runs (:class:`RunInfo`).
+:meth:`Run.prepare` wraps the model, optimizer and loaders as the strategy's engine
+does it (any order, as ``accelerator.prepare`` takes them), turns a silent mis-launch
+(processes that would train unconnected copies, a model not wrapped as asked) into an
+error, logs once what really runs (:class:`RunInfo`), writes it to the run folder,
+restores a checkpoint being resumed and starts the per-rank memory accounting.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import logging
 import os
 import socket
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
 
+from dpkit.errors import UsageError
 from dpkit.strategy import Strategy
 from dpkit.train.config import StrategyConfig
-from dpkit.train.deepspeed_config import skip_deepspeed_cpu_shm_op
-from dpkit.train.launch import check_ranks_per_gpu, local_process_count
-from dpkit.train.resolve import Resolution, resolve
+from dpkit.train.launcher import check_ranks_per_gpu, local_process_count
+from dpkit.train.resolution import Resolution, resolve
 
 logger = logging.getLogger("dpkit")
 
@@ -67,6 +64,7 @@ class RunInfo:
     learning_rate: float | None
     num_params: int
     offload_optimizer: str | None = None
+    """Where the optimizer state lives off the device (DeepSpeed offload), or None."""
     ddp_forward_sync_buffers: bool | None = None
     """DDP: whether buffers are re-broadcast before each forward (None: not DDP)."""
     notes: str = ""
@@ -93,78 +91,121 @@ class RunInfo:
         return asdict(self)
 
 
-@dataclass
 class Run:
-    """A resolved run and its Accelerator: what a training script asks about the strategy."""
+    """A resolved run and its Accelerator: what a training script asks of the strategy.
 
-    resolution: Resolution
-    accelerator: Any
+    Made by :func:`setup`. Every rank makes every call: :meth:`prepare`,
+    :meth:`save_checkpoint`, :meth:`save_model` and :meth:`finish` are collectives.
+    """
+
+    def __init__(
+        self,
+        resolution: Resolution,
+        *,
+        start_options: dict[str, Any] | None = None,
+        output_dir: str | None = None,
+        run_config: dict | None = None,
+        resume: Any = None,
+        seed: int = 0,
+        tokenizer: Any = None,
+        keep_last: int = 0,
+        save_checkpoints: bool = True,
+        memory_probe_steps: int = 1,
+    ) -> None:
+        self.resolution = resolution
+        self._start_options = dict(start_options or {})
+        self._accelerator: Any = None
+        self._output_dir = output_dir
+        self._run_config = run_config or {}
+        self.output: Any = None
+        """The run folder (:class:`~dpkit.train.output.RunOutput`), once the run has
+        started, or None without one."""
+        self.resume = resume
+        """The checkpoint :meth:`prepare` restores (:class:`~dpkit.checkpoints.resume.Resume`)."""
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.keep_last = keep_last
+        self.save_checkpoints = save_checkpoints
+        self.memory_probe_steps = memory_probe_steps
+        self.info: RunInfo | None = None
+        """What runs, once :meth:`prepare` checked it."""
+        self.memory: Any = None
+        """The per-rank memory tracker (:class:`~dpkit.memory.MemoryTracker`), from
+        :meth:`prepare` on."""
+        self.checkpoints: Any = None
+        """The run's :class:`~dpkit.checkpoints.checkpointer.Checkpointer`, from
+        :meth:`prepare` on (when the run has an output folder)."""
+        self.position: Any = None
+        """Where training stands (:class:`~dpkit.checkpoints.checkpointer.Position`): a
+        fresh start, or the resumed checkpoint's step, epoch and place in the epoch."""
+
+    @property
+    def accelerator(self) -> Any:
+        """The run's Accelerator. The first use starts it, and with it the process group
+        (and writes ``run_config.json`` into the run folder): until then the run is only
+        resolved, and checks that need the world size can still refuse bad input."""
+        if self._accelerator is None:
+            from dpkit.train.output import RunOutput
+
+            self._accelerator = start_accelerator(self.resolution, **self._start_options)
+            if self._output_dir is not None:
+                self.output = RunOutput(self._output_dir, self._accelerator.is_main_process)
+                resume_step = self.resume.state.step if self.resume else None
+                self.output.start(self._run_config, resume_step=resume_step)
+        return self._accelerator
 
     @property
     def strategy(self) -> Strategy:
         return self.resolution.strategy
 
     @property
+    def engine(self) -> Any:
+        """The backend that runs the strategy (:mod:`dpkit.engines`)."""
+        return self.resolution.strategy.engine
+
+    @property
     def world_size(self) -> int:
-        return self.accelerator.num_processes
+        """Processes the launcher started (the process group's size, checked by
+        :meth:`prepare`); known before the run starts."""
+        return self.resolution.world_size
 
     @property
     def global_batch_size(self) -> int:
         return self.resolution.global_batch_size
 
     @property
-    def ds_config(self) -> dict | None:
-        """The DeepSpeed config as the engine got it (ZeRO only): accelerate's own dict,
-        not a copy kept beside it."""
-        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
-        return None if plugin is None else plugin.deepspeed_config
+    def learning_rate(self) -> float | None:
+        """The peak learning rate, scaled with the global batch if asked."""
+        return self.resolution.learning_rate
 
-    def shard_model(self, model: Any) -> Any:
-        """FSDP2: shard ``model`` (each layer a unit, then the root; see
-        :mod:`dpkit.train.fsdp2`) and hand it to accelerate, which then prepares it
-        without a wrapper; other strategies: ``model`` unchanged (``accelerator.prepare``
-        wraps it). Call it before building the optimizer: FSDP2 replaces the parameters
-        by their shards, and an optimizer built earlier would hold the old ones.
-        """
-        if not self.strategy.uses_fsdp2:
-            return model
-        from dpkit.train.fsdp2 import layer_classes, shard_model
-        from dpkit.train.resolve import fsdp_asked_by
+    @property
+    def backend_config(self) -> dict | None:
+        """The backend's configuration as its engine got it (DeepSpeed's dict, accelerate's
+        own, not a copy kept beside it), or None where the backend has no such file."""
+        return self.engine.config_in_effect(self.accelerator)
 
-        resolution = self.resolution
-        classes = resolution.fsdp_layer_classes or layer_classes(
-            model, resolution.fsdp_layer_override, asked_by=fsdp_asked_by(resolution.source)
-        )
-        model = shard_model(
-            model,
-            layer_class_names=classes,
-            reshard_after_forward=self.strategy.reshard_after_forward,
-            precision=resolution.precision,
-            device_type=self.accelerator.device.type,
-        )
-        # evaluation_mode: accelerate applies what it applies to every model (autocast
-        # under mixed precision) and no DDP wrapper; the later prepare() passes it through.
-        return self.accelerator.prepare_model(model, evaluation_mode=True)
+    # ---- building what prepare takes ---------------------------------------------------
 
     def make_optimizer(self, params: Any, lr: float, weight_decay: float) -> Any:
         """torch AdamW under every strategy, fused where torch has the kernel
-        (:func:`dpkit.models.adamw`), so losses compare across strategies; a DeepSpeed
-        JSON with its own ``optimizer`` section gets accelerate's DummyOptim."""
+        (:func:`dpkit.models.adamw`), so losses compare across strategies; a backend
+        config that builds its own optimizer (a DeepSpeed JSON's ``optimizer`` section)
+        gets accelerate's placeholder."""
         from accelerate.utils import DummyOptim
 
         from dpkit.models import adamw
 
-        if "optimizer" in (self.resolution.ds_config or {}):
+        if self.engine.optimizer_in_config(self.resolution.settings):
             return DummyOptim(params, lr=lr, weight_decay=weight_decay)
         return adamw(params, lr=lr, weight_decay=weight_decay)
 
     def make_scheduler(self, name: str, optimizer: Any, warmup_steps: int, total_steps: int) -> Any:
-        """transformers' ``get_scheduler``; a DeepSpeed JSON with its own ``scheduler``
-        section gets accelerate's DummyScheduler."""
+        """transformers' ``get_scheduler``; a backend config with its own ``scheduler``
+        section gets accelerate's placeholder."""
         from accelerate.utils import DummyScheduler
         from transformers import get_scheduler
 
-        if "scheduler" in (self.resolution.ds_config or {}):
+        if self.engine.scheduler_in_config(self.resolution.settings):
             return DummyScheduler(
                 optimizer, total_num_steps=total_steps, warmup_num_steps=warmup_steps
             )
@@ -172,16 +213,51 @@ class Run:
             name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
         )
 
-    def check(self, model: Any, optimizer: Any, output: Any = None, **extra: Any) -> RunInfo:
-        """After ``accelerator.prepare``: check that what runs is what was asked for (a
-        mismatch is an error, not a warning) and log it, once, from the main process.
-        Under DDP, also set what DDP takes only once built: its per-forward buffer
-        sync (:attr:`Resolution.ddp_forward_sync_buffers`).
+    # ---- prepare -----------------------------------------------------------------------
 
-        With ``output`` (a :class:`~dpkit.train.run_output.RunOutput`), also write
-        ``run_info.json`` (with ``extra`` fields: the schedule, say) and, under DeepSpeed,
-        ``ds_config.json`` as the engine got it.
+    def prepare(self, *objects: Any, **run_info: Any) -> Any:
+        """Wrap ``objects`` (the model, its optimizer, loaders, a scheduler; any order, as
+        ``accelerator.prepare`` takes them) as the strategy's engine does it, and return
+        them prepared, in the same order.
+
+        Then: checks that what runs is what was asked for (a mismatch is an error, not a
+        warning) and logs it once; writes ``run_info.json`` (with ``run_info``'s extra
+        fields, the schedule say) and the backend's resolved config to the run folder;
+        restores the checkpoint being resumed (:attr:`position` says where training
+        stands); starts the per-rank memory accounting (:attr:`memory`). Every rank calls.
+        Under FSDP2 the model is sharded first and an optimizer built over its whole
+        parameters is switched onto the shards (it must not have stepped yet).
         """
+        from dpkit.checkpoints.checkpointer import Checkpointer, Position
+
+        prepared = self.engine.prepare(self, objects)
+        model = next((o for o in prepared if _is_module(o)), None)
+        optimizer = next((o for o in prepared if _is_optimizer(o)), None)
+        if model is None or optimizer is None:
+            raise UsageError("run.prepare: give it the model and its optimizer (and the loaders)")
+        scheduler = next((o for o in prepared if _is_scheduler(o)), None)
+        self.info = self._check(model, optimizer)
+        if self.output is not None:
+            self.output.write_json("run_info.json", {**self.info.as_dict(), **run_info})
+            config = self.backend_config
+            if config is not None and self.engine.config_file:
+                self.output.write_json(self.engine.config_file, config)
+            self.checkpoints = Checkpointer(
+                self,
+                self.output.path,
+                seed=self.seed,
+                keep_last=self.keep_last,
+                tokenizer=self.tokenizer,
+                enabled=self.save_checkpoints,
+            )
+            self.position = self.checkpoints.restore(model, optimizer, scheduler, self.resume)
+        else:
+            self.position = Position()
+        self.memory = self.track_memory(model, optimizer, probe_steps=self.memory_probe_steps)
+        return prepared[0] if len(prepared) == 1 else prepared
+
+    def _check(self, model: Any, optimizer: Any) -> RunInfo:
+        """What runs, from the live objects, or an error."""
         import torch.distributed as dist
 
         from dpkit.models import count_parameters
@@ -192,31 +268,7 @@ class Run:
                 f"the launcher started {asked.world_size} processes but the process group has "
                 f"{acc.num_processes}: the processes would train unconnected copies"
             )
-        wrapper = type(model).__name__
-        zero_stage = 0
-        if asked.strategy.uses_deepspeed:
-            engine = acc.deepspeed_engine_wrapped.engine if acc.deepspeed_engine_wrapped else model
-            zero_stage = int(engine.zero_optimization_stage())
-            inner = type(getattr(optimizer, "optimizer", optimizer)).__name__
-            wrapper = f"{type(engine).__name__}+{inner}"
-            if zero_stage != asked.strategy.zero_stage:
-                raise RuntimeError(
-                    f"asked for ZeRO-{asked.strategy.zero_stage}, DeepSpeed runs stage {zero_stage}"
-                )
-        elif asked.strategy.uses_fsdp2:
-            zero_stage = asked.strategy.zero_stage
-            wrapper = _check_fsdp2(model, optimizer)
-        elif acc.num_processes > 1 and wrapper != "DistributedDataParallel":
-            raise RuntimeError(
-                f"{acc.num_processes} processes but the model is not wrapped in DDP ({wrapper})"
-            )
-        forward_sync_buffers = None
-        if wrapper == "DistributedDataParallel":
-            # A DDP attribute, not a constructor argument: accelerate's
-            # DistributedDataParallelKwargs only has the deprecated broadcast_buffers
-            # (a FutureWarning on every rank, and it also skips the init-time sync).
-            model.forward_sync_buffers = asked.ddp_forward_sync_buffers
-            forward_sync_buffers = bool(model.forward_sync_buffers)
+        found = self.engine.after_prepare(self, model, optimizer)
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
         info = RunInfo(
             strategy=asked.strategy.name,
@@ -225,29 +277,25 @@ class Run:
             world_size=acc.num_processes,
             backend=backend,
             device=str(acc.device),
-            wrapper=wrapper,
-            zero_stage=zero_stage,
+            wrapper=found.wrapper,
+            zero_stage=found.zero_stage,
             precision=asked.precision,
             micro_batch_size=asked.micro_batch_size,
             gradient_accumulation_steps=asked.gradient_accumulation_steps,
             global_batch_size=asked.global_batch_size,
             learning_rate=asked.learning_rate,
             num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
-            offload_optimizer=asked.offload_optimizer,
-            ddp_forward_sync_buffers=forward_sync_buffers,
             notes="; ".join(asked.notes),
+            **{**asked.settings.run_info(), **found.run_info},
         )
         if acc.is_main_process:
             logger.info("%s", info.describe())
-        if output is not None:
-            output.write_json("run_info.json", {**info.as_dict(), **extra})
-            if self.ds_config is not None:
-                output.write_json("ds_config.json", self.ds_config)
         return info
 
     def track_memory(self, model: Any, optimizer: Any, **kwargs: Any) -> Any:
         """:class:`dpkit.memory.MemoryTracker` for the prepared model and optimizer:
-        probes where this strategy holds its gradients, and the per-rank report."""
+        probes where this strategy's engine holds its memory, and the per-rank report
+        (:meth:`prepare` starts one; this is for a second model)."""
         from dpkit.memory import MemoryTracker
 
         return MemoryTracker(
@@ -256,32 +304,74 @@ class Run:
             optimizer,
             strategy=self.strategy,
             precision=self.resolution.precision,
-            offload_optimizer=self.resolution.offload_optimizer,
+            offload_optimizer=self.resolution.settings.run_info().get("offload_optimizer"),
             **kwargs,
         )
 
+    # ---- during and after training -----------------------------------------------------
 
-def _check_fsdp2(model: Any, optimizer: Any) -> str:
-    """The FSDP2 wrapper's description, or an error: the model must be sharded, and the
-    optimizer must hold the shards (built after :meth:`Run.shard_model`)."""
-    from torch.distributed.fsdp import FSDPModule
+    def evaluation_done(self, model: Any) -> None:
+        """After an evaluation (forwards without a backward): give back what the backend
+        kept whole for a backward that never came (FSDP2 shard-grad-op's parameters)."""
+        self.engine.after_evaluation(model)
 
-    from dpkit.memory.walk import inner_torch_optimizer
-    from dpkit.train.fsdp2 import is_sharded, unit_count
+    def save_checkpoint(
+        self,
+        model: Any,
+        optimizer: Any,
+        lr_scheduler: Any = None,
+        *,
+        step: int | None = None,
+    ) -> Any:
+        """The full training state (every rank calls; the main process writes) under
+        ``<output_dir>/checkpoints/step-N``, at :attr:`position` (``step`` moves it
+        there first, for a loop of your own). Returns the folder, or None when the run
+        saves no checkpoints."""
+        if self.checkpoints is None:
+            raise UsageError(
+                "run.save_checkpoint: the run has no output folder (setup output_dir=)"
+            )
+        if step is not None:
+            self.position.step = step
+        return self.checkpoints.save(model, optimizer, lr_scheduler, self.position)
 
-    if not isinstance(model, FSDPModule):
-        raise RuntimeError(
-            f"FSDP2 was asked for but the model is not sharded ({type(model).__name__}): "
-            "call run.shard_model(model) before building the optimizer"
-        )
-    torch_opt = inner_torch_optimizer(optimizer)
-    params = [p for group in torch_opt.param_groups for p in group["params"]]
-    if not all(is_sharded(p) for p in params):
-        raise RuntimeError(
-            "the optimizer holds the model's unsharded parameters: build it after "
-            "run.shard_model(model)"
-        )
-    return f"FSDP2 fully_shard ({unit_count(model)} units)+{type(torch_opt).__name__}"
+    def save_model(self, model: Any, path: Any, tokenizer: Any = None) -> None:
+        """The model as a Hugging Face folder in fp32, shards consolidated (loads with
+        ``from_pretrained``, without DeepSpeed); every rank calls, the main process writes."""
+        from dpkit.checkpoints.state import save_model
+
+        save_model(self.engine, self.accelerator, model, path, tokenizer or self.tokenizer)
+
+    def finish(self, step: int | None = None) -> Any:
+        """The end of the run, on every rank (like ``accelerator.end_training``): gathers
+        every rank's memory, writes ``memory_report.json`` to the run folder and logs the
+        table (main process), then ends the trackers. Returns the
+        :class:`~dpkit.memory.report.MemoryReport` on the main process, None elsewhere."""
+        report = None
+        if self.memory is not None:
+            path = None if self.output is None else self.output.path / "memory_report.json"
+            report = self.memory.write_report(path, step=step)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.end_training()
+        return report
+
+
+def _is_module(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.nn.Module)
+
+
+def _is_optimizer(obj: Any) -> bool:
+    import torch
+
+    return isinstance(obj, torch.optim.Optimizer)
+
+
+def _is_scheduler(obj: Any) -> bool:
+    from accelerate.scheduler import AcceleratedScheduler
+
+    return isinstance(obj, AcceleratedScheduler)
 
 
 class _ErrorsOnly(logging.Filter):
@@ -307,7 +397,9 @@ def log_once_per_job(is_main_process: bool | None = None) -> None:
     transformers, datasets and Python warnings stay quiet there: every rank would print
     the same copy. Errors on any rank still reach the terminal. ``None``: the main
     process is global rank 0 of the launcher's environment (before any process group;
-    :func:`start` calls it again with accelerate's answer).
+    :func:`start_accelerator` calls it again with accelerate's answer). A run sets this when it
+    starts (:func:`dpkit.train.config.parse_args`, :func:`setup`): importing dpkit
+    changes nothing.
     """
     import warnings
 
@@ -344,27 +436,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextlib.contextmanager
-def _without_env(name: str) -> Iterator[None]:
-    """``name`` unset while the block runs, restored afterwards."""
-    saved = os.environ.pop(name, None)
-    try:
-        yield
-    finally:
-        if saved is not None:
-            os.environ[name] = saved
-
-
-def start(
+def start_accelerator(
     resolution: Resolution,
     *,
     data_seed: int | None = None,
     step_scheduler_with_optimizer: bool = True,
     log_with: str | None = None,
     project_dir: str | None = None,
-) -> Run:
-    """Build the Accelerator for ``resolution``: backend, CPU or GPU, DDP's kwargs or the
-    resolved DeepSpeed config. Starts the process group.
+) -> Any:
+    """Build the Accelerator for ``resolution`` (its engine says what accelerate needs) and
+    start the process group.
 
     Under NCCL, first refuses (:class:`~dpkit.errors.UsageError`, before the group) more
     processes on this node than visible GPUs, and logs once how a collective timeout
@@ -394,18 +475,12 @@ def start(
         resolution.backend, os.environ, resolution.collective_timeout_s
     )
 
-    from accelerate import Accelerator, DeepSpeedPlugin
-    from accelerate.utils import (
-        DataLoaderConfiguration,
-        DistributedDataParallelKwargs,
-        InitProcessGroupKwargs,
-    )
+    from accelerate import Accelerator
+    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
 
-    uses_deepspeed = resolution.strategy.uses_deepspeed
-    # DeepSpeed and fully_shard need a process group even for one process.
-    needs_group = uses_deepspeed or resolution.strategy.uses_fsdp2
+    engine = resolution.engine
     handlers: list = []
-    if resolution.world_size > 1 or needs_group:
+    if resolution.world_size > 1 or engine.needs_process_group:
         # Naming the backend is what makes `accelerate launch --use_deepspeed` form a
         # real N-process group on CPU; a single plain process must not get one.
         handlers.append(
@@ -414,8 +489,7 @@ def start(
                 timeout=timedelta(seconds=resolution.collective_timeout_s),
             )
         )
-    plugin = None
-    if needs_group and "RANK" not in os.environ:
+    if engine.needs_process_group and "RANK" not in os.environ:
         # The rendezvous reads these even for one process (plain `python recipe.py
         # --strategy zero2`); this process is then the whole job.
         os.environ.update(
@@ -426,34 +500,20 @@ def start(
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(_free_port()),
         )
-    if resolution.strategy.uses_fsdp2:
-        # resolve() read the FSDP launch; accelerate would otherwise take its own FSDP
-        # path on GPUs (and dpkit's sharded model would be sharded twice).
-        os.environ.pop("ACCELERATE_USE_FSDP", None)
-    if uses_deepspeed:
-        skip_deepspeed_cpu_shm_op()
-        # accelerate refuses a config dict when its YAML listed DeepSpeed fields beside a
-        # config file (ACCELERATE_CONFIG_DS_FIELDS); resolve() honoured or refused each.
-        with _without_env("ACCELERATE_CONFIG_DS_FIELDS"):
-            plugin = DeepSpeedPlugin(hf_ds_config=copy.deepcopy(dict(resolution.ds_config)))
-    elif resolution.ddp_kwargs:
-        handlers.append(DistributedDataParallelKwargs(**resolution.ddp_kwargs))
+    options = engine.accelerator_options(resolution.strategy, resolution)
+    handlers += options.pop("kwargs_handlers", [])
     dataloader_config = None
     if data_seed is not None:
         dataloader_config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed)
     accelerator = Accelerator(
-        # Without CUDA, plain multi-process runs need cpu=True to form a gloo group
-        # (otherwise each process trains alone as rank 0); DeepSpeed finds its CPU
-        # accelerator itself.
-        cpu=not resolution.on_cuda and not uses_deepspeed,
         mixed_precision=resolution.precision,
         gradient_accumulation_steps=resolution.gradient_accumulation_steps,
         step_scheduler_with_optimizer=step_scheduler_with_optimizer,
-        deepspeed_plugin=plugin,
         dataloader_config=dataloader_config,
         kwargs_handlers=handlers,
         log_with=log_with,
         project_dir=project_dir,
+        **options,
     )
     log_once_per_job(accelerator.is_main_process)
     if timeout_notice is not None and accelerator.num_processes > 1:
@@ -466,7 +526,7 @@ def start(
         # which then refused --output-dir as "holds another run" the main process had just
         # started (measured): every rank passes here before anything is written.
         accelerator.wait_for_everyone()
-    return Run(resolution=resolution, accelerator=accelerator)
+    return accelerator
 
 
 def setup(
@@ -479,27 +539,83 @@ def setup(
     learning_rate: float | None = None,
     scale_lr: str = "none",
     weight_decay: float | None = None,
+    output_dir: str | None = None,
+    configs: tuple[Any, ...] = (),
+    resume: Any = None,
+    seed: int = 0,
     data_seed: int | None = None,
+    tokenizer: Any = None,
+    keep_last: int = 0,
+    save_checkpoints: bool = True,
+    memory_probe_steps: int = 1,
     step_scheduler_with_optimizer: bool = True,
     log_with: str | None = None,
-    project_dir: str | None = None,
 ) -> Run:
-    """:func:`resolve` then :func:`start`: the strategy from the flags and the launcher,
-    and an Accelerator that runs it on CPU or GPU under every launcher."""
-    resolution = resolve(
-        args,
-        model=model,
-        micro_batch_size=micro_batch_size,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        max_grad_norm=max_grad_norm,
-        learning_rate=learning_rate,
-        scale_lr=scale_lr,
-        weight_decay=weight_decay,
-    )
-    return start(
+    """Build the run: the strategy from the flags and the launcher, resolved and checked,
+    and the Accelerator that runs it on CPU or GPU under every launcher, started at its
+    first use (:attr:`Run.accelerator`, or :meth:`Run.prepare`).
+
+    Bad input (a flag, a DeepSpeed JSON, a launcher that contradicts the flag) prints
+    one line naming the field and the value and exits with code 2, before any process
+    group starts and before anything is written.
+
+    Args:
+        args: the strategy flags (:class:`~dpkit.train.config.StrategyConfig`); None
+            parses them from the command line (``--strategy``, ``--deepspeed``,
+            ``--mixed-precision``, ...; any other flag is refused).
+        model: the model (a ``torch.nn.Module``, its transformers config, or
+            :class:`~dpkit.models.ModelSizes`): ZeRO's buckets and FSDP2's units come from it.
+        micro_batch_size, gradient_accumulation_steps: the batch layout per process.
+        max_grad_norm: the clipping norm the loop uses (0: none); DeepSpeed clips inside
+            its step, so its config gets it too.
+        learning_rate, scale_lr, weight_decay: the peak lr (scaled with the global batch by
+            ``linear`` or ``sqrt``), recorded, and given to a DeepSpeed JSON's optimizer.
+        output_dir: the run folder (``run_config.json``, ``run_info.json``, checkpoints,
+            ``memory_report.json``); None: nothing is written.
+        configs: the script's other flag dataclasses, recorded in ``run_config.json``
+            beside ``args`` and the launcher's environment.
+        resume: a checkpoint to continue (:func:`dpkit.checkpoints.resume.find_resume`);
+            its global batch must be this run's; :meth:`Run.prepare` restores it.
+        seed, tokenizer, keep_last, save_checkpoints: recorded with / saved beside each
+            checkpoint; keep the newest ``keep_last`` (0: all); ``False`` writes none.
+        data_seed: seed accelerate's sampler (the same shuffle on every strategy and world size).
+        memory_probe_steps: probe the memory inside the first N optimizer steps (-1: all).
+        step_scheduler_with_optimizer, log_with: accelerate's switches (its trackers).
+    """
+    from dpkit.train.config import config_dict, parse_args
+    from dpkit.train.guards import refuse_and_exit
+
+    if args is None:
+        (args,) = parse_args(StrategyConfig)
+    log_once_per_job()
+    with refuse_and_exit():
+        resolution = resolve(
+            args,
+            model=model,
+            micro_batch_size=micro_batch_size,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            max_grad_norm=max_grad_norm,
+            learning_rate=learning_rate,
+            scale_lr=scale_lr,
+            weight_decay=weight_decay,
+        )
+        if resume is not None:
+            resume.check(global_batch_size=resolution.global_batch_size)
+    return Run(
         resolution,
-        data_seed=data_seed,
-        step_scheduler_with_optimizer=step_scheduler_with_optimizer,
-        log_with=log_with,
-        project_dir=project_dir,
+        start_options={
+            "data_seed": data_seed,
+            "step_scheduler_with_optimizer": step_scheduler_with_optimizer,
+            "log_with": log_with,
+            "project_dir": output_dir,
+        },
+        output_dir=output_dir,
+        # Read now: accelerate writes ACCELERATE_* variables of its own once it runs.
+        run_config=config_dict(args, *configs),
+        resume=resume,
+        seed=seed,
+        tokenizer=tokenizer,
+        keep_last=keep_last,
+        save_checkpoints=save_checkpoints,
+        memory_probe_steps=memory_probe_steps,
     )

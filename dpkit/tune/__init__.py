@@ -5,7 +5,7 @@ pruned by ``dpkit plan`` against a memory budget, each survivor a real launch of
 recipe; the fastest whose measured peak fits and whose losses agree with DDP wins.
 
 * :mod:`~dpkit.tune.config`: :class:`TuneConfig` (what is asked), resolved once
-  against the machine and the recipe (:func:`resolve_tune`);
+  against the machine and the recipe (:func:`tune_settings`);
 * :mod:`~dpkit.tune.space`: the candidates and their predicted memory;
 * :mod:`~dpkit.tune.trials`: one trial: launch (``dpkit bench``'s launcher), read,
   reuse;

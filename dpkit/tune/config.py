@@ -1,5 +1,5 @@
 """What ``dpkit tune`` is asked (:class:`TuneConfig`) and what that resolves to on this
-machine, once, before anything launches (:class:`TuneSettings`, :func:`resolve_tune`).
+machine, once, before anything launches (:class:`TuneSettings`, :func:`tune_settings`).
 
 The recipe is any script built on dpkit's API that takes ``--micro-batch-size``,
 ``--gradient-accumulation-steps``, ``--max-steps`` and ``--output-dir`` (dpkit's
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dpkit import resources
+from dpkit.engines.deepspeed.settings import ZERO_BUCKET_ALIGNMENT
 from dpkit.errors import UsageError
-from dpkit.memory.settings import ZERO_BUCKET_ALIGNMENT
 from dpkit.strategy import RUNNABLE, get_strategy
 
 DEFAULT_RECIPE = "train_lm.py"
@@ -49,7 +49,7 @@ def _flag_name(text: str) -> str:
 class TuneConfig:
     """A tune: which recipe, which candidates, what budget. Checked when built (one
     line naming the field, :class:`~dpkit.errors.UsageError`); what depends on the
-    machine or the recipe is checked by :func:`resolve_tune`, still before any launch."""
+    machine or the recipe is checked by :func:`tune_settings`, still before any launch."""
 
     recipe: str = DEFAULT_RECIPE
     """A recipe of dpkit's (``train_lm.py``, ``finetune.py``) or a path to your script."""
@@ -118,7 +118,7 @@ class TuneConfig:
                 f"baseline_strategy={self.baseline_strategy!r}: one of {', '.join(TUNABLE)}"
             )
         if self.zero_bucket_sizes is not None and not any(
-            get_strategy(name).uses_deepspeed for name in self.strategies
+            get_strategy(name).engine.tunable for name in self.strategies
         ):
             # Buckets are DeepSpeed's; FSDP2 and DDP have none, so the sizes would go unused.
             raise UsageError(
@@ -188,7 +188,7 @@ class RecipeInfo:
 @dataclass(frozen=True)
 class TuneSettings:
     """A :class:`TuneConfig` resolved against the machine and the recipe: every default
-    filled, every value checked. Made once, by :func:`resolve_tune`."""
+    filled, every value checked. Made once, by :func:`tune_settings`."""
 
     config: TuneConfig
     recipe: RecipeInfo
@@ -304,7 +304,7 @@ def _powers_of_two(per_rank: int, keep: int = 3) -> tuple[int, ...]:
     return tuple(sizes[-keep:])
 
 
-def resolve_tune(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> TuneSettings:
+def tune_settings(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> TuneSettings:
     """Fill the defaults and check everything that can be wrong, before any launch."""
     from dpkit.bench.machine import usable_cores
     from dpkit.plan.inputs import GIB, PlanInputs

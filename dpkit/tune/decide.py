@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpkit.bench.results import loss_rtol
-from dpkit.strategy import get_strategy
+from dpkit.strategy import REFERENCE, get_strategy
 from dpkit.tune.trials import OK, Trial
 
 
@@ -79,7 +79,7 @@ def verdicts(trials: list[Trial], budget: float | None, precision: str) -> dict[
     ddp = {
         t.candidate.micro_batch_size: t
         for t in trials
-        if t.status == OK and get_strategy(t.candidate.strategy).engine == "ddp"
+        if t.status == OK and get_strategy(t.candidate.strategy) is REFERENCE
     }
     found: dict[str, Verdict] = {}
     for trial in trials:

@@ -204,11 +204,12 @@ def write_winner(settings: TuneSettings, decision: Decision, out: Path) -> Path 
     where = out / WINNER_DIR
     where.mkdir(parents=True, exist_ok=True)
     strategy = get_strategy(trial.candidate.strategy)
-    ds_json = None
-    if strategy.uses_deepspeed:
-        ds_json = where / "ds_config.json"
-        shutil.copyfile(trial_dir(settings, trial.candidate) / "run" / "ds_config.json", ds_json)
-    yaml = launch.accelerate_config(strategy, {}, where, deepspeed_json=ds_json)
+    config = None
+    if strategy.engine.config_file:  # the backend's config as the winner ran with it
+        config = where / strategy.engine.config_file
+        ran_with = trial_dir(settings, trial.candidate) / "run" / strategy.engine.config_file
+        shutil.copyfile(ran_with, config)
+    yaml = launch.accelerate_config(strategy, {}, where, backend_config=config)
     final = where / "accelerate.yaml"
     yaml.replace(final)
     shutil.rmtree(where / "configs", ignore_errors=True)

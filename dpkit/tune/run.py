@@ -1,6 +1,6 @@
 """``dpkit tune`` from start to report: :func:`run_tune`.
 
-Resolve and check everything (:func:`dpkit.tune.config.resolve_tune`), predict each
+Resolve and check everything (:func:`dpkit.tune.config.tune_settings`), predict each
 candidate's memory and prune what cannot fit, then measure the rest one launch at a
 time (:mod:`dpkit.tune.trials`), reusing an earlier tune's trials; decide
 (:mod:`dpkit.tune.decide`) and write the report and the winner's files
@@ -24,7 +24,7 @@ from dpkit.bench.results import TARGET_PLAN_ERROR_PCT
 from dpkit.errors import UsageError
 from dpkit.strategy import get_strategy
 from dpkit.tune import report, space
-from dpkit.tune.config import TuneConfig, TuneSettings, resolve_tune
+from dpkit.tune.config import TuneConfig, TuneSettings, tune_settings
 from dpkit.tune.decide import decide, verdicts
 from dpkit.tune.trials import FAILED, NOT_RUN, OK, PRUNED, Trial, load_previous, run_trial
 
@@ -152,7 +152,7 @@ class _Tuner:
         if not self.settings.config.zero_variants:
             return candidates
         for strategy in self.settings.config.strategies:
-            if not get_strategy(strategy).uses_deepspeed:
+            if not get_strategy(strategy).engine.tunable:
                 continue
             ran = [
                 t
@@ -194,7 +194,7 @@ def run_tune(config: TuneConfig, command: str | None = None) -> dict[str, Any]:
 
     gpu_count = torch.cuda.device_count()
     help_env = launch.launch_env({"threads_per_process": None})
-    settings = resolve_tune(config, gpu_count, help_env)
+    settings = tune_settings(config, gpu_count, help_env)
     env = launch.launch_env(settings.launch_settings())
     command = command or "dpkit.run_tune(" + shlex.join(settings.config.recipe_args) + ")"
     with _stop_on_signals() as stop:

@@ -21,14 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dpkit.memory.settings import DEEPSPEED_DEFAULT_BUCKET, ZERO_BUCKET_ALIGNMENT
+from dpkit.engines.deepspeed.settings import DEEPSPEED_DEFAULT_BUCKET, ZERO_BUCKET_ALIGNMENT
 from dpkit.plan.estimate import StrategyEstimate
 from dpkit.plan.recommend import recommendation_order
 from dpkit.strategy import get_strategy
 from dpkit.tune.config import TuneSettings
 
 MIB = 2**20
-# Smaller buckets only add per-call costs (dpkit.memory.settings measured them).
+# Smaller buckets only add per-call costs (dpkit.engines.deepspeed.settings measured them).
 MIN_BUCKET = 2**18
 
 
@@ -46,7 +46,7 @@ class Candidate:
     def __post_init__(self) -> None:
         # Only DeepSpeed reads zero_optimization keys; on another engine they would be
         # silently dropped while the trial's name claims them.
-        if self.zero and not get_strategy(self.strategy).uses_deepspeed:
+        if self.zero and not get_strategy(self.strategy).engine.tunable:
             raise ValueError(f"{self.strategy}: zero_optimization keys are DeepSpeed's only")
 
     @property
@@ -145,7 +145,7 @@ def second_round(
     """Variants of a DeepSpeed ZeRO candidate's settings around what it ran with
     (``resolved_zero``, the ``zero_optimization`` section of its ``ds_config.json``);
     :class:`ValueError` for any other engine (DDP and FSDP2 have no such settings)."""
-    if not get_strategy(best.strategy).uses_deepspeed:
+    if not get_strategy(best.strategy).engine.tunable:
         raise ValueError(f"{best.name}: only DeepSpeed's ZeRO candidates have a second round")
     bucket = int(resolved_zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_BUCKET))
     sizes = settings.config.zero_bucket_sizes or (_aligned(bucket / 4), _aligned(bucket * 4))

@@ -22,7 +22,7 @@ from typing import Any
 from dpkit.bench import launch
 from dpkit.bench.results import summarize_memory, summarize_steps
 from dpkit.strategy import get_strategy
-from dpkit.train.run_output import read_json, read_jsonl
+from dpkit.train.output import read_json, read_jsonl
 from dpkit.tune.config import TuneSettings
 from dpkit.tune.space import Candidate
 
@@ -162,12 +162,14 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
         r["model_states"] + r["buffers"] + float(r["activations"] or 0.0) for r in memory["ranks"]
     ]
     peak = memory["peak_bytes"] if on_cuda and memory["peak_bytes"] else max(counted)
-    # The DeepSpeed JSON the engine got (its resolved buckets feed the second round).
-    # DDP and FSDP2 runs write none: no ZeRO settings, recorded as None.
+    # The backend's config as its engine got it: the settings the tune varies, as they
+    # ran (DeepSpeed's resolved buckets feed the second round). A backend with none to
+    # vary (DDP, FSDP2) writes no config: recorded as None.
     zero = None
-    if get_strategy(candidate.strategy).uses_deepspeed:
-        ds_config = run_dir / "ds_config.json"
-        zero = read_json(ds_config).get("zero_optimization", {}) if ds_config.is_file() else {}
+    engine = get_strategy(candidate.strategy).engine
+    if engine.config_file:
+        ran_with = run_dir / engine.config_file
+        zero = engine.tunable_in_effect(read_json(ran_with) if ran_with.is_file() else {})
     return {
         **{k: v for k, v in steps.items() if k != "step_cpu_s"},
         "memory_bytes": float(peak),

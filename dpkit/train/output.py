@@ -14,7 +14,7 @@ Layout of ``<output_dir>``::
     metrics.jsonl       one line per evaluation
     memory_report.json  the per-rank memory report
     model/              the final model (save_pretrained, safetensors, fp32) and tokenizer
-    checkpoints/        the full training state every --save-steps (see dpkit.train.checkpoint)
+    checkpoints/        the full training state every --save-steps (see dpkit.checkpoints)
 
 Only the main process writes; every method is a no-op elsewhere.
 """

@@ -8,7 +8,7 @@ at once from the run's own settings, so that:
   ``train_batch_size = micro_batch x gradient_accumulation x world_size``;
 * clipping, precision and a JSON optimizer's lr/decay are the run's;
 * the ZeRO memory settings (buckets, ``contiguous_gradients``, ``overlap_comm``...)
-  are sized to the model (:mod:`dpkit.memory.settings`) where the JSON leaves them
+  are sized to the model (:mod:`dpkit.engines.deepspeed.settings`) where the JSON leaves them
   ``"auto"`` or out; a value the user wrote stays.
 
 A value the user wrote that contradicts the run is refused, naming both.
@@ -21,8 +21,8 @@ import json
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+from dpkit.engines.deepspeed.settings import fill_zero_settings
 from dpkit.errors import UsageError
-from dpkit.memory.settings import fill_zero_settings
 
 
 class _DuplicateKeyError(ValueError):
@@ -44,8 +44,8 @@ def _refuse_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
 
 def read_ds_config(path: str) -> dict:
     """The JSON as written, refused (one line) if it is malformed or has a key DeepSpeed
-    would ignore or reject (:mod:`dpkit.train.ds_config_keys`)."""
-    from dpkit.train.ds_config_keys import check_ds_config_keys
+    would ignore or reject (:mod:`dpkit.engines.deepspeed.config_keys`)."""
+    from dpkit.engines.deepspeed.config_keys import check_ds_config_keys
 
     where = f"deepspeed config {path!r}"
     try:
@@ -131,7 +131,7 @@ def fill_deepspeed_config(
         max_grad_norm: DeepSpeed's ``gradient_clipping`` (it clips inside its step; 0: off).
         precision: ``no``, ``bf16`` or ``fp16`` (accelerate's names).
         zero_settings: the model-sized ``zero_optimization`` values
-            (:func:`dpkit.memory.settings.zero_memory_settings`), applied where the
+            (:func:`dpkit.engines.deepspeed.settings.zero_memory_settings`), applied where the
             template leaves a key of :data:`ZERO_MEMORY_KEYS` out or ``"auto"``.
         learning_rate, weight_decay: for a JSON ``optimizer`` section that leaves them
             ``"auto"`` (None: such a section is refused, there is nothing to fill it with).
@@ -156,7 +156,7 @@ def fill_deepspeed_config(
             config[name] = {"enabled": False}
 
     # Left out or "auto": sized to the model, not DeepSpeed's 5e8-element defaults (1.9 GiB
-    # per bucket in fp32; dpkit.memory.settings.REASONS).
+    # per bucket in fp32; dpkit.engines.deepspeed.settings.REASONS).
     fill_zero_settings(config.setdefault("zero_optimization", {}), zero_settings)
 
     params = config.get("optimizer", {}).get("params")

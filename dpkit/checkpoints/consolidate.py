@@ -97,7 +97,7 @@ def _model_for(state_dict: dict, config, model: str):
 
 def consolidate(checkpoint: Path, output_dir: Path, *, model: str | None, tag: str | None) -> str:
     """Write the model folder; returns a one-line description of what was done."""
-    from dpkit.train.checkpoint import verify_checkpoint
+    from dpkit.checkpoints.folder import verify_checkpoint
 
     if (checkpoint / "manifest.json").is_file():
         state = verify_checkpoint(checkpoint, flag="checkpoint")

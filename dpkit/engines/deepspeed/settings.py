@@ -1,12 +1,11 @@
-"""DDP and ZeRO settings that keep the model-state savings from being eaten by buffers.
+"""ZeRO settings that keep the model-state savings from being eaten by DeepSpeed's buffers.
 
 Every choice below was measured with :mod:`dpkit.memory` on all-MiniLM-L6-v2
 (22.7M parameters, fp32, torch AdamW, 2 and 4 CPU ranks, gloo; deepspeed 0.19.8,
-torch 2.13). The figures quoted are per rank. The two functions return plain
-dicts: the strategy module passes :func:`ddp_kwargs` to
-``DistributedDataParallelKwargs`` and merges :func:`zero_memory_settings` into the
-resolved ``zero_optimization`` section, so that each value is visible in the
-saved config; :data:`REASONS` says why, for writing beside it.
+torch 2.13). The figures quoted are per rank. :func:`zero_memory_settings` returns a
+plain dict that the engine merges into the resolved ``zero_optimization`` section, so
+that each value is visible in the saved config; :data:`REASONS` says why, for writing
+beside it. (DDP's: :mod:`dpkit.engines.ddp.settings`.)
 """
 
 from __future__ import annotations
@@ -36,15 +35,6 @@ ZERO_MEMORY_KEYS = (
 )
 
 REASONS: dict[str, str] = {
-    "gradient_as_bucket_view": (
-        "param.grad become views into DDP's flat reduction buckets instead of a second "
-        "full-size gradient copy: measured -86.6 MiB per rank (ddp_buckets 86.6 -> 0) at 22.7M "
-        "params, i.e. 4 bytes/param in fp32"
-    ),
-    "bucket_cap_mb": (
-        "memory-neutral once the buckets are the gradients (they total 4 bytes/param for any "
-        "cap); it only sets how many allreduce calls a step makes, so torch's default is kept"
-    ),
     "reduce_bucket_size": (
         "DeepSpeed allocates this many elements for its ipg bucket up front (and copies a "
         "bucket flat to reduce it): its 5e8 default is 1,907 MiB in fp32 (measured), more "
@@ -82,16 +72,6 @@ REASONS: dict[str, str] = {
         "each rank receives only its partition's reduced gradients instead of all of them"
     ),
 }
-
-
-def ddp_kwargs() -> dict[str, Any]:
-    """The memory-relevant ``DistributedDataParallelKwargs`` (see :data:`REASONS`)."""
-    return {
-        # The reducer's buckets hold the gradients themselves: one gradient copy, not two.
-        "gradient_as_bucket_view": True,
-        # torch's default, written out: bucket size does not change memory with bucket views.
-        "bucket_cap_mb": 25,
-    }
 
 
 def bucket_elements(hidden_size: int | None, num_params: int | None = None) -> int:

@@ -2,7 +2,7 @@
 
 accelerate enters its own FSDP2 path only for accelerator devices: on a CPU-only
 machine an FSDP YAML runs unconnected single-process copies, and ``cpu=True`` wraps
-the model in DDP (``../shared/STACK-NOTES.md``). dpkit therefore applies
+the model in DDP (docs/stack-notes.md). dpkit therefore applies
 ``fully_shard`` itself, on CPU (gloo) and GPU (nccl) alike, so the suite's CPU runs
 exercise the code a GPU runs: each transformer layer is one unit, the root last
 (torchtitan's and accelerate's layout), on a 1-D mesh of every rank.

@@ -1,0 +1,177 @@
+"""A checkpoint folder: its layout, the state file that says where training stands, and the manifest that lets a resume trust it.
+
+A checkpoint is a folder ``<output_dir>/checkpoints/step-000120/``::
+
+    model.safetensors, config.json, tokenizer files   the consolidated fp32 weights
+                                                        (a Hugging Face folder: loads
+                                                        without DeepSpeed)
+    optimizer.pt        Adam moments per parameter name, consolidated; step count; lrs
+    scheduler.pt        the lr scheduler's state_dict
+    rng.pt              every rank's RNG states (python, numpy, torch, cuda)
+    loss_scale.json     fp16 only: the dynamic loss scale and its growth counters
+    trainer_state.json  step, epoch, position in the epoch, batch layout, strategy,
+                        optimizer steps skipped for a gradient overflow
+    manifest.json       every file above with its size and sha256 (written last)
+
+Saves are atomic (:mod:`dpkit.checkpoints.checkpointer`): everything is written into
+``.tmp-step-*``, fsynced, then renamed; a folder named ``step-*`` is complete by
+construction, and the manifest lets a resume refuse one that was truncated or altered
+afterwards (:func:`verify_checkpoint`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from dpkit.errors import UsageError
+
+CHECKPOINTS = "checkpoints"
+LOSS_SCALE_FILE = "loss_scale.json"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """Where training stands; enough to continue the same data order and schedule."""
+
+    step: int
+    """Optimizer updates done."""
+    epoch: int
+    """Epoch to continue in."""
+    samples_in_epoch: int
+    """Examples of that epoch already consumed (all ranks together)."""
+    global_batch_size: int
+    micro_batch_size: int
+    gradient_accumulation_steps: int
+    world_size: int
+    strategy: str
+    precision: str
+    seed: int
+    format_version: int = FORMAT_VERSION
+    skipped_steps: int = 0
+    """Of ``step``, the optimizer steps whose update was skipped for a gradient overflow
+    (fp16). Checkpoints written before it was recorded read as 0."""
+
+    @classmethod
+    def at(
+        cls,
+        run_info,
+        *,
+        step: int,
+        epoch: int,
+        samples_in_epoch: int,
+        seed: int,
+        skipped_steps: int = 0,
+    ) -> TrainerState:
+        """The state at ``step`` of the run that ``run_info`` (a strategy.RunInfo) describes."""
+        return cls(
+            step=step,
+            skipped_steps=skipped_steps,
+            epoch=epoch,
+            samples_in_epoch=samples_in_epoch,
+            global_batch_size=run_info.global_batch_size,
+            micro_batch_size=run_info.micro_batch_size,
+            gradient_accumulation_steps=run_info.gradient_accumulation_steps,
+            world_size=run_info.world_size,
+            strategy=run_info.strategy,
+            precision=run_info.precision,
+            seed=seed,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"step {self.step} (epoch {self.epoch}, {self.samples_in_epoch} examples in), "
+            f"written by {self.strategy} on {self.world_size} process(es), global batch "
+            f"{self.global_batch_size}"
+        )
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"step-{step:06d}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints under ``output_dir``, oldest first (``.tmp-*`` never counts)."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def verify_checkpoint(path: str | Path, flag: str = "--resume") -> TrainerState:
+    """The checkpoint's state if every file is there with its recorded size and hash;
+    otherwise a one-line :class:`UsageError` that says what is wrong."""
+    path = Path(path)
+    where = f"{flag}={str(path)!r}"
+    if not path.is_dir():
+        raise UsageError(f"{where}: no such checkpoint folder")
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise UsageError(
+            f"{where}: not a complete dpkit checkpoint (no manifest.json; an interrupted "
+            "save leaves a .tmp-step-* folder, never a step-* one)"
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise UsageError(f"{where}: manifest.json is unreadable ({err})") from None
+    for name, expected in sorted(files.items()):
+        file = path / name
+        if not file.is_file():
+            raise UsageError(f"{where}: {name} is missing")
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            raise UsageError(
+                f"{where}: {name} is {size} bytes, the manifest says {expected['bytes']} "
+                "(truncated or partly written)"
+            )
+        if _sha256(file) != expected["sha256"]:
+            raise UsageError(f"{where}: {name} does not match its sha256 in the manifest")
+    state = json.loads((path / "trainer_state.json").read_text())
+    if state.get("format_version") != FORMAT_VERSION:
+        raise UsageError(
+            f"{where}: format_version={state.get('format_version')!r}, this dpkit reads "
+            f"{FORMAT_VERSION}"
+        )
+    return TrainerState(**state)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            with open(Path(dirpath) / name, "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def write_manifest(root: Path) -> None:
+    files = {
+        str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+    (root / "manifest.json").write_text(json.dumps({"files": files}, indent=1) + "\n")

@@ -1,0 +1,195 @@
+"""The full training state of a run, from any engine: fp32 weights and Adam moments by parameter name, RNG streams, fp16's loss scale.
+
+Each engine gathers its own layout (:meth:`~dpkit.engines.base.Engine.full_weights`,
+:meth:`~dpkit.engines.base.Engine.full_moments`: DDP reads them, ZeRO gathers its
+partitions with DeepSpeed's tensor-fragment API, FSDP2 its DTensor shards with torch
+distributed checkpoint's state-dict API) and puts them back re-sharded for another
+strategy or world size (:meth:`~dpkit.engines.base.Engine.load_moments`). Gathering is
+a collective: every rank calls; the result exists on the main process.
+
+fp16's dynamic loss scaler (:class:`LossScaler`) is the one piece of state that is the
+same on every rank: it is read and restored locally, no collective.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dpkit.checkpoints.folder import FORMAT_VERSION
+from dpkit.memory.walk import inner_torch_optimizer
+
+
+def full_fp32_state_dict(
+    engine: Any, accelerator: Any, model: Any
+) -> dict[str, torch.Tensor] | None:
+    """The model's state_dict with every parameter at full size in fp32, on CPU, on the
+    main process (None elsewhere); a collective under the sharding engines."""
+    module = accelerator.unwrap_model(model)
+    state = engine.full_weights(accelerator, module)
+    if not accelerator.is_main_process:
+        return None
+    # Floating tensors are stored in fp32.
+    return {
+        name: (value.to("cpu", torch.float32) if value.is_floating_point() else value.cpu())
+        for name, value in state.items()
+    }
+
+
+def save_model(
+    engine: Any, accelerator: Any, model: Any, path: str | Path, tokenizer: Any = None
+) -> None:
+    """The model as a Hugging Face folder in fp32 (shards consolidated), written by the
+    main process; a collective (every rank must call it)."""
+    weights = full_fp32_state_dict(engine, accelerator, model)
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(
+            path, state_dict=weights, safe_serialization=True
+        )
+        if tokenizer is not None:
+            tokenizer.save_pretrained(path)
+
+
+def full_optimizer_state(engine: Any, accelerator: Any, model: Any, optimizer: Any) -> dict | None:
+    """Adam moments per parameter name at full size, the step count and each group's lr,
+    on the main process (None elsewhere); a collective under the sharding engines."""
+    module = accelerator.unwrap_model(model)
+    torch_opt = inner_torch_optimizer(optimizer)
+    steps = [
+        float(s["step"]) for s in torch_opt.state.values() if isinstance(s, dict) and "step" in s
+    ]
+    moments = engine.full_moments(accelerator, module, optimizer)
+    if not accelerator.is_main_process:
+        return None
+    return {
+        "format_version": FORMAT_VERSION,
+        "step": int(steps[0]) if steps else 0,
+        "moments": moments or {},
+        "param_group_lrs": [float(g["lr"]) for g in torch_opt.param_groups],
+    }
+
+
+def load_optimizer_state(
+    engine: Any, accelerator: Any, model: Any, optimizer: Any, saved: dict
+) -> None:
+    """Put consolidated moments back, re-sharded for this run's strategy and world size."""
+    module = accelerator.unwrap_model(model)
+    torch_opt = inner_torch_optimizer(optimizer)
+    for group, lr in zip(torch_opt.param_groups, saved["param_group_lrs"], strict=True):
+        group["lr"] = lr
+    moments = saved["moments"]
+    if not moments:
+        return
+    named = dict(module.named_parameters())
+    missing = sorted(set(named) - set(moments))
+    if missing:
+        raise RuntimeError(f"checkpoint has no optimizer state for {missing[:3]}")
+    engine.load_moments(accelerator, module, optimizer, moments, torch.tensor(float(saved["step"])))
+
+
+def rng_state() -> dict:
+    """This rank's RNG states as plain lists (they travel through ``gather_object``)."""
+    import numpy as np
+
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, keys.tolist(), pos, has_gauss, cached],
+        "torch": torch.get_rng_state().tolist(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    import numpy as np
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+class LossScaler:
+    """fp16's dynamic loss scaler, whichever library keeps it: the run's engine finds it
+    (:meth:`~dpkit.engines.base.Engine.loss_scaler`): torch's ``GradScaler``
+    (:class:`TorchLossScaler`; ``accelerator.scaler``, which accelerate makes for fp16 on
+    a GPU) or DeepSpeed's ``DynamicLossScaler`` inside the ZeRO optimizer
+    (``dpkit.engines.deepspeed.checkpoint.DeepSpeedLossScaler``).
+
+    A dpkit checkpoint is its own layout, not accelerate's ``save_state`` (which writes
+    ``scaler.pt``) nor DeepSpeed's optimizer shards (which pickle ``loss_scaler``), so
+    without this the scale restarts at its initial value (2**16) on resume: the first
+    steps overflow and are skipped again, and the run is no longer the one that stopped.
+    """
+
+    kind = ""
+    """Whose state :meth:`state_dict` holds (``torch``, ``deepspeed``)."""
+
+    def __init__(self, scaler: Any) -> None:
+        self.scaler = scaler
+
+    @property
+    def scale(self) -> float:
+        """The scale the next backward multiplies the loss by."""
+        raise NotImplementedError
+
+    @property
+    def growth_tracker(self) -> int:
+        """Steps without overflow counted toward the next growth of the scale."""
+        raise NotImplementedError
+
+    def native_state(self) -> dict[str, Any]:
+        """The library's own counters, as plain numbers."""
+        raise NotImplementedError
+
+    def restore(self, saved: dict[str, Any], same_library: bool) -> None:
+        """Set the scale (and, written by the same library, its counters) from ``saved``."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain numbers (JSON): ``kind``, ``scale`` and the library's own counters."""
+        return {"kind": self.kind, "scale": self.scale, **self.native_state()}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> str:
+        """Restore ``saved`` (:meth:`state_dict`); returns what was restored, for the log.
+
+        Written by the same library: the scale and its counters exactly. By the other one
+        (a checkpoint resumed across DDP and ZeRO): the scale only, the growth count starts
+        over, since the libraries count it differently. The growth and backoff settings
+        stay this run's.
+        """
+        same = saved.get("kind") == self.kind
+        self.restore(saved, same)
+        counters = "and its growth count" if same else f"only (written by {saved.get('kind')})"
+        return f"fp16 loss scale {self.scale:g} {counters}"
+
+
+class TorchLossScaler(LossScaler):
+    """torch's ``GradScaler``: the scale and ``_growth_tracker``."""
+
+    kind = "torch"
+
+    @property
+    def scale(self) -> float:
+        return float(self.scaler.get_scale())
+
+    @property
+    def growth_tracker(self) -> int:
+        return int(self.scaler.state_dict()["_growth_tracker"])
+
+    def native_state(self) -> dict[str, Any]:
+        return {"_growth_tracker": self.growth_tracker}
+
+    def restore(self, saved: dict[str, Any], same_library: bool) -> None:
+        tracker = int(saved["_growth_tracker"]) if same_library else 0
+        self.scaler.load_state_dict(
+            {**self.scaler.state_dict(), "scale": float(saved["scale"]), "_growth_tracker": tracker}
+        )

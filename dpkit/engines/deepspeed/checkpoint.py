@@ -1,0 +1,137 @@
+"""ZeRO's training state by parameter name: each rank holds a partition of the fp32 master
+weights and of the optimizer state; DeepSpeed's tensor-fragment API (the mechanism of its
+universal checkpoint) gathers them per parameter and puts them back re-sharded for
+another world size."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpkit.checkpoints.state import LossScaler
+from dpkit.engines.deepspeed.memory import zero_optimizer
+from dpkit.memory.walk import inner_torch_optimizer
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def full_weights(accelerator: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The fp32 master copies gathered per parameter (a collective), with the module's
+    own buffers; on the main process."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    gathered = {}
+    for name, param in module.named_parameters():
+        full = safe_get_full_fp32_param(param)
+        if accelerator.is_main_process:  # a copy: the live parameters keep training
+            gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
+    if not accelerator.is_main_process:
+        return {}
+    return {**module.state_dict(), **gathered}
+
+
+def _relink_moments(zero: Any, torch_opt: Any) -> None:
+    """Point every parameter's fragment at its slice of the flat Adam moments.
+
+    DeepSpeed links them once, right after the first group's step, while the later
+    param groups have no state yet; with two groups (decay / no decay) the second
+    group's parameters stay unlinked (measured with DeepSpeed 0.19.8).
+    """
+    from deepspeed.utils.mixed_precision_linkage import lazy_init_hp_params_optimizer_state
+
+    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+        lazy_init_hp_params_optimizer_state(zero.bit16_groups[i], hp_partition, torch_opt.state)
+
+
+def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dict | None:
+    """Adam moments per parameter name at full size, gathered (a collective); None before
+    the first step (every rank decides the same way: the step has run on all or none)."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    zero = zero_optimizer(optimizer)
+    torch_opt = inner_torch_optimizer(optimizer)
+    if not getattr(zero, "_hp_optimizer_states_linked", False):
+        return None
+    _relink_moments(zero, torch_opt)
+    moments = {}
+    for name, param in module.named_parameters():
+        entry = {}
+        for key in ADAM_MOMENTS:
+            value = safe_get_full_optimizer_state(param, key)
+            if accelerator.is_main_process:
+                entry[key] = value.to("cpu", torch.float32).clone()
+        moments[name] = entry
+    return moments if accelerator.is_main_process else {}
+
+
+def load_moments(
+    module: torch.nn.Module, optimizer: Any, moments: dict, step: torch.Tensor
+) -> None:
+    """Each rank keeps the slice of every moment that falls in its partition, then
+    DeepSpeed assembles its flat state from those fragments (the same path as its
+    universal-checkpoint load)."""
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    zero = zero_optimizer(optimizer)
+    torch_opt = inner_torch_optimizer(optimizer)
+    name_of = {id(p): n for n, p in module.named_parameters()}
+    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+        for lp in zero.bit16_groups[i]:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            address = mapping.lp_fragment_address
+            if mapping.optim_fragment is None:  # no step has run yet in this process
+                mapping.optim_fragment = {}
+            for key in ADAM_MOMENTS:
+                full = moments[name_of[id(lp)]][key].flatten()
+                mapping.optim_fragment[key] = full.narrow(0, address.start, address.numel).to(
+                    hp_partition.device, hp_partition.dtype
+                )
+        torch_opt.state[hp_partition]["step"] = step.clone()
+        map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
+    zero._hp_optimizer_states_linked = True
+
+
+def load_fp32_masters(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Set the fp32 master copies exactly (the module was loaded from the same weights,
+    but a bf16 module would have rounded them)."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, param in module.named_parameters():
+        if hasattr(param, "_hp_mapping"):
+            safe_set_full_fp32_param(param, weights[name].to(param.device))
+
+
+# The fields of DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py) that change
+# while training; the rest (min_scale, scale_window, delayed_shift) comes from the
+# resuming run's own fp16 section.
+_SCALER_STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+
+class DeepSpeedLossScaler(LossScaler):
+    """DeepSpeed's ``DynamicLossScaler`` inside the ZeRO optimizer (``fp16.enabled`` with
+    the default ``loss_scale: 0``)."""
+
+    kind = "deepspeed"
+
+    @property
+    def scale(self) -> float:
+        return float(self.scaler.cur_scale)
+
+    @property
+    def growth_tracker(self) -> int:
+        """DeepSpeed's steps since the last overflow."""
+        return int(self.scaler.cur_iter - self.scaler.last_overflow_iter - 1)
+
+    def native_state(self) -> dict[str, Any]:
+        return {name: getattr(self.scaler, name) for name in _SCALER_STATE}
+
+    def restore(self, saved: dict[str, Any], same_library: bool) -> None:
+        """The scale is kept at or above this run's ``min_scale``: a scale below it would
+        stop the run at its first overflow."""
+        if same_library:
+            for name in _SCALER_STATE:
+                setattr(self.scaler, name, saved[name])
+        self.scaler.cur_scale = max(float(saved["scale"]), float(self.scaler.min_scale))

@@ -1,0 +1,403 @@
+"""The DeepSpeed engine: ZeRO-1/2 from a resolved DeepSpeed config, through accelerate."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dpkit.engines import common
+from dpkit.engines.base import Engine, EngineSettings, Prepared
+from dpkit.engines.deepspeed import plan
+from dpkit.engines.deepspeed.config import fill_deepspeed_config, optimizer_offload
+from dpkit.engines.deepspeed.settings import zero_memory_settings
+from dpkit.errors import UsageError
+
+
+@dataclass(frozen=True)
+class ZeroSettings(EngineSettings):
+    """The DeepSpeed config a ZeRO run hands accelerate, every value resolved."""
+
+    ds_config: Mapping[str, Any] | None = None
+    """The resolved JSON (:func:`~dpkit.engines.deepspeed.config.fill_deepspeed_config`)."""
+    ds_config_path: str | None = None
+    """The file it was resolved from."""
+    offload_optimizer: str | None = None
+    """Where ZeRO keeps optimizer state and master weights off the device (``cpu``), or None."""
+
+    def run_info(self) -> dict[str, Any]:
+        return {"offload_optimizer": self.offload_optimizer}
+
+    @property
+    def config(self) -> Mapping[str, Any] | None:
+        return self.ds_config
+
+    @property
+    def config_path(self) -> str | None:
+        return self.ds_config_path
+
+
+@contextlib.contextmanager
+def _without_env(name: str) -> Iterator[None]:
+    """``name`` unset while the block runs, restored afterwards."""
+    saved = os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[name] = saved
+
+
+class DeepSpeedEngine(Engine):
+    """ZeRO-1 and ZeRO-2: DeepSpeed's engine and ZeRO optimizer, configured by one JSON."""
+
+    name = "deepspeed"
+    label = "DeepSpeed ZeRO"
+    config_file = "ds_config.json"
+    tunable = ("reduce_bucket_size", "contiguous_gradients", "overlap_comm")
+    reads_config_file = True
+    needs_process_group = True
+    collectives = ("zero_reduce", "zero_allgather")
+    collectives_note = (
+        "; where DeepSpeed runs its collectives on the compute thread (a CPU accelerator), "
+        "none of ZeRO's is hidden"
+    )
+
+    def launched(self, args: Any, env: Mapping[str, str]) -> Any:
+        """An accelerate DeepSpeed launch (its JSON, or dpkit's for its ``--zero_stage``) or a
+        ``--deepspeed`` JSON; the two must agree on the stage, and ``--strategy`` with both."""
+        from dpkit import resources
+        from dpkit.engines.deepspeed.config import read_ds_config, zero_stage_of
+        from dpkit.strategy import runnable_strategy
+        from dpkit.train.launcher import Launch, uses_accelerate_without_backend
+
+        launcher_path: str | None = None
+        launcher_source = ""
+        if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+            launcher_path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+            launcher_source = "accelerate launch (DeepSpeed)"
+            if launcher_path is None:
+                stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+                if stage not in (1, 2):
+                    raise UsageError(
+                        f"accelerate launch --zero_stage {stage}: dpkit supports ZeRO stages 1 and 2"
+                    )
+                named = runnable_strategy(self, zero_stage=stage).name
+                launcher_path = str(resources.deepspeed_config(named))
+        flag = args.deepspeed
+        if flag is not None:
+            if uses_accelerate_without_backend(env):
+                raise UsageError(
+                    f"--deepspeed={flag!r} conflicts with accelerate launch without "
+                    "DeepSpeed: use --config_file ds_configs/accelerate/zero2.yaml (or zero1.yaml), "
+                    "or the deepspeed launcher"
+                )
+            if launcher_path is not None:
+                flag_stage = zero_stage_of(read_ds_config(flag), flag)
+                launcher_stage = zero_stage_of(read_ds_config(launcher_path), launcher_path)
+                if flag_stage != launcher_stage:
+                    raise UsageError(
+                        f"--deepspeed={flag!r} is ZeRO-{flag_stage} but {launcher_source} "
+                        f"is ZeRO-{launcher_stage}: drop one of them"
+                    )
+            launcher_path, launcher_source = flag, f"--deepspeed {flag}"
+        if launcher_path is None:
+            return None
+        template = read_ds_config(launcher_path)
+        launched = runnable_strategy(self, zero_stage=zero_stage_of(template, launcher_path))
+        if args.strategy not in ("auto", launched.name):
+            from dpkit.strategy import get_strategy
+
+            if get_strategy(args.strategy).engine is not self and flag is not None:
+                raise UsageError(
+                    f"--strategy={args.strategy} conflicts with --deepspeed={flag!r}: "
+                    f"{get_strategy(args.strategy).engine.label} takes no DeepSpeed config; "
+                    "drop one of them"
+                )
+            raise UsageError(
+                f"--strategy={args.strategy} conflicts with {launcher_source} "
+                f"({launched.name}): drop one of them"
+            )
+        return Launch(
+            launched, launcher_source, config_path=launcher_path, config_template=template
+        )
+
+    def from_flag(self, strategy: Any, args: Any, env: Mapping[str, str]) -> Any:
+        """dpkit's own JSON for the stage; an accelerate launch without DeepSpeed cannot run it."""
+        from dpkit import resources
+        from dpkit.engines.deepspeed.config import read_ds_config
+        from dpkit.train.launcher import Launch, uses_accelerate_without_backend
+
+        if uses_accelerate_without_backend(env):
+            raise UsageError(
+                f"--strategy={args.strategy} conflicts with accelerate launch without DeepSpeed: "
+                f"use --config_file ds_configs/accelerate/{args.strategy}.yaml"
+            )
+        path = str(resources.deepspeed_config(strategy.name))
+        return Launch(
+            strategy,
+            f"--strategy {strategy.name}",
+            config_path=path,
+            config_template=read_ds_config(path),
+        )
+
+    def configure(self, strategy: Any, request: Any) -> ZeroSettings:
+        common.refuse_fsdp_layers(strategy, request)
+        template, path = request.ds_template or {}, request.ds_config_path or ""
+        offload = optimizer_offload(template, path)
+        sizes = request.model_sizes
+        buckets = zero_memory_settings(
+            sizes.num_params,
+            sizes.hidden_size,
+            world_size=request.world_size,
+            stage=strategy.zero_stage,
+            largest_param_numel=sizes.largest_param_numel,
+            on_cuda=request.on_cuda,
+        )
+        ds_config = fill_deepspeed_config(
+            template,
+            micro_batch_size=request.micro_batch_size,
+            gradient_accumulation_steps=request.gradient_accumulation_steps,
+            world_size=request.world_size,
+            max_grad_norm=request.max_grad_norm,
+            precision=request.precision,
+            zero_settings=buckets,
+            learning_rate=request.learning_rate,
+            weight_decay=request.weight_decay,
+        )
+        return ZeroSettings(
+            notes=common.note_find_unused(strategy, request),
+            ds_config=ds_config,
+            ds_config_path=request.ds_config_path,
+            offload_optimizer=offload,
+        )
+
+    def accelerator_options(self, strategy: Any, resolution: Any) -> dict[str, Any]:
+        from accelerate import DeepSpeedPlugin
+
+        from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
+
+        skip_deepspeed_cpu_shm_op()
+        # accelerate refuses a config dict when its YAML listed DeepSpeed fields beside a
+        # config file (ACCELERATE_CONFIG_DS_FIELDS); configure() honoured or refused each.
+        with _without_env("ACCELERATE_CONFIG_DS_FIELDS"):
+            plugin = DeepSpeedPlugin(
+                hf_ds_config=copy.deepcopy(dict(resolution.settings.ds_config))
+            )
+        # DeepSpeed finds its CPU accelerator itself: cpu=True would turn it off.
+        return {"cpu": False, "deepspeed_plugin": plugin}
+
+    def config_in_effect(self, accelerator: Any) -> dict | None:
+        plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+        return None if plugin is None else plugin.deepspeed_config
+
+    def optimizer_in_config(self, settings: ZeroSettings) -> bool:
+        return "optimizer" in (settings.ds_config or {})
+
+    def scheduler_in_config(self, settings: ZeroSettings) -> bool:
+        return "scheduler" in (settings.ds_config or {})
+
+    def after_prepare(self, run: Any, model: Any, optimizer: Any) -> Prepared:
+        acc, asked = run.accelerator, run.resolution.strategy
+        engine = acc.deepspeed_engine_wrapped.engine if acc.deepspeed_engine_wrapped else model
+        zero_stage = int(engine.zero_optimization_stage())
+        inner = type(getattr(optimizer, "optimizer", optimizer)).__name__
+        if zero_stage != asked.zero_stage:
+            raise RuntimeError(
+                f"asked for ZeRO-{asked.zero_stage}, DeepSpeed runs stage {zero_stage}"
+            )
+        return Prepared(f"{type(engine).__name__}+{inner}", zero_stage)
+
+    def recognise(self, model: Any, optimizer: Any) -> Any:
+        from dpkit.engines.deepspeed.memory import zero_optimizer
+        from dpkit.strategy import runnable_strategy
+
+        zero = zero_optimizer(optimizer)
+        if zero is None:
+            return None
+        stage = 2 if getattr(zero, "partition_gradients", False) else 1
+        return runnable_strategy(self, zero_stage=stage)
+
+    # memory, measured
+    def walk(self, ledger: Any, model: Any, optimizer: Any) -> dict[str, Any]:
+        from dpkit.engines.deepspeed import memory
+
+        return memory.walk(ledger, model, optimizer)
+
+    def install_probes(self, probes: Any, model: Any, optimizer: Any) -> None:
+        from dpkit.engines.deepspeed import memory
+
+        memory.install_probes(probes, optimizer)
+
+    def precision_in_effect(self, optimizer: Any) -> str | None:
+        import torch
+
+        from dpkit.engines.deepspeed import memory
+
+        zero = memory.zero_optimizer(optimizer)
+        if zero is None:
+            return None
+        dtype = zero.bit16_groups_flat[0].dtype
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+
+    def optimizer_groups(self, optimizer: Any) -> list[list[Any]]:
+        from dpkit.engines.deepspeed import memory
+
+        zero = memory.zero_optimizer(optimizer)
+        if zero is None:
+            return super().optimizer_groups(optimizer)
+        return [list(group) for group in getattr(zero, "bit16_groups", [])]
+
+    def settings_in_effect(self, model: Any, optimizer: Any) -> dict[str, Any]:
+        from dpkit.engines.deepspeed import memory
+
+        return memory.settings_in_effect(optimizer)
+
+    def report_notes(self, strategy: Any, model: Any, optimizer: Any) -> list[str]:
+        from dpkit.engines.deepspeed import memory
+
+        if memory.zero_optimizer(optimizer) is not None:
+            return []
+        return [f"strategy {strategy.name!r} but no ZeRO optimizer found: measured as plain torch"]
+
+    def offload_in_effect(self, optimizer: Any) -> str | None:
+        from dpkit.engines.deepspeed import memory
+
+        zero = memory.zero_optimizer(optimizer)
+        return "cpu" if getattr(zero, "cpu_offload", False) else None
+
+    # memory, planned
+    def model_state_bytes(
+        self,
+        strategy: Any,
+        num_params: float,
+        world_size: int,
+        precision: str,
+        optimizer: str,
+        param_shapes: Sequence[Sequence[int]] | None,
+    ) -> Any:
+        return plan.model_state_bytes(
+            strategy.zero_stage, strategy.offload, num_params, world_size, precision, optimizer
+        )
+
+    def paper_grad_bytes(
+        self, strategy: Any, num_params: float, world_size: int, precision: str
+    ) -> float:
+        return plan.paper_grad_bytes(strategy.zero_stage, num_params, world_size, precision)
+
+    def plan_settings(self, spec: Any, world_size: int, on_cuda: bool) -> dict[str, Any]:
+        return plan.buffer_settings(spec, world_size, on_cuda)
+
+    def buffer_bytes(
+        self,
+        strategy: Any,
+        spec: Any,
+        world_size: int,
+        precision: str,
+        settings: Mapping[str, Any],
+        grads: float,
+    ) -> dict[str, float]:
+        return plan.buffer_bytes(strategy.zero_stage, spec, precision, settings)
+
+    def gradient_layout(self, strategy: Any, inputs: Any, settings: Mapping[str, Any]) -> Any:
+        return plan.gradient_layout(strategy.zero_stage, strategy.offload, inputs, settings)
+
+    def step_bytes(
+        self,
+        strategy: Any,
+        num_params: float,
+        world_size: int,
+        precision: str,
+        grads_laid_out: bool,
+    ) -> dict[str, float]:
+        return plan.step_bytes(
+            strategy.zero_stage, strategy.offload, num_params, world_size, precision, grads_laid_out
+        )
+
+    def optimizer_for_plan(self, strategy: Any, optimizer: str) -> str | None:
+        return plan.optimizer_for_plan(strategy.offload, optimizer)
+
+    def host_bytes(self, strategy: Any, num_params: float, world_size: int) -> float:
+        # Offload builds the fp32 gradient partition in host memory, beside the
+        # optimizer state it feeds (DeepSpeed's estimator counts it there too).
+        return 4.0 * num_params / world_size if strategy.offload else 0.0
+
+    def plan_settings_text(self, settings: Mapping[str, Any]) -> str:
+        return (
+            f"ZeRO reduce bucket {settings['reduce_bucket_size']:,} elements, overlap_comm "
+            f"{settings['overlap_comm']} (dpkit.engines.deepspeed.settings over DeepSpeed's "
+            "defaults)"
+        )
+
+    def why(self, strategy: Any, row: Any, inputs: Any) -> str:
+        return plan.why(strategy, row, inputs)
+
+    # checkpoints
+    def loss_scaler(self, accelerator: Any) -> Any:
+        """DeepSpeed's ``DynamicLossScaler`` inside the ZeRO optimizer (``fp16.enabled``
+        with the default ``loss_scale: 0``); None for the static ``LossScaler(1.0)`` bf16
+        and fp32 ZeRO keep."""
+        from dpkit.engines.deepspeed.checkpoint import DeepSpeedLossScaler
+
+        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        zero = getattr(getattr(wrapped, "engine", None), "optimizer", None)
+        loss_scaler = getattr(zero, "loss_scaler", None)
+        return DeepSpeedLossScaler(loss_scaler) if getattr(loss_scaler, "dynamic", False) else None
+
+    def full_weights(self, accelerator: Any, module: Any) -> dict[str, Any]:
+        from dpkit.engines.deepspeed import checkpoint
+
+        return checkpoint.full_weights(accelerator, module)
+
+    def full_moments(self, accelerator: Any, module: Any, optimizer: Any) -> dict | None:
+        from dpkit.engines.deepspeed import checkpoint
+
+        return checkpoint.full_moments(accelerator, module, optimizer)
+
+    def load_moments(
+        self, accelerator: Any, module: Any, optimizer: Any, moments: dict, step: Any
+    ) -> None:
+        from dpkit.engines.deepspeed import checkpoint
+
+        checkpoint.load_moments(module, optimizer, moments, step)
+
+    def load_fp32_masters(self, accelerator: Any, module: Any, weights: dict) -> None:
+        from dpkit.engines.deepspeed import checkpoint
+
+        checkpoint.load_fp32_masters(module, weights)
+
+    # bench and tune
+    def accelerate_yaml(
+        self, strategy: Any, folder: Any, overrides: Mapping[str, Any], config: Any
+    ) -> str:
+        """dpkit's YAML names its DeepSpeed JSON by a path relative to the repository root;
+        here by its absolute path (``config``, else dpkit's packaged copy, or a copy with
+        ``overrides`` in its ``zero_optimization``)."""
+        import json
+        from pathlib import Path
+
+        from dpkit import resources
+
+        text = resources.accelerate_config(strategy.name).read_text()
+        json_path = config or resources.deepspeed_config(strategy.name)
+        if overrides and config is None:
+            template = json.loads(Path(json_path).read_text())
+            template["zero_optimization"].update(overrides)
+            json_path = Path(folder) / f"{strategy.name}_tuned.json"
+            json_path.write_text(json.dumps(template, indent=2) + "\n")
+        relative = f"ds_configs/{strategy.name}.json"
+        if relative not in text:
+            # Else the YAML would keep a path that only resolves from a checkout's root.
+            raise ValueError(f"{resources.accelerate_config(strategy.name)}: names no {relative}")
+        return text.replace(relative, str(Path(json_path).resolve()))
+
+    def tunable_in_effect(self, config: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(config.get("zero_optimization", {}))
+
+    def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
+        stage = str(strategy.zero_stage)
+        module = ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", stage]
+        return "deepspeed", "--num_gpus", module

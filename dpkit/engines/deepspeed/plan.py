@@ -1,0 +1,227 @@
+"""DeepSpeed ZeRO's bytes per rank, predicted: the paper's sharding, with DeepSpeed's own copies.
+
+Its ZeRO optimizer always keeps an fp32 master partition, even when the module itself
+is fp32 (measured, docs/stack-notes.md); in bf16/fp16 the module's parameters and
+gradients are 2 bytes, and its step casts the rank's 16-bit gradient partition to an
+fp32 gradient for the master while the 16-bit gradients are still held
+(``stage_1_and_2.py``, the step): gradients then peak at (2 + 4) x Psi/N, not the
+paper's 2 x Psi/N. With the parameter layout known, the worst rank's gradients come from
+DeepSpeed's own partitioning (:mod:`dpkit.engines.deepspeed.layout`). Pure arithmetic:
+no torch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+from dpkit.engines.deepspeed.layout import GradientHighWater, gradient_high_water
+from dpkit.memory.analytic import OPTIMIZER_STATE_BYTES, ModelStateBytes, dtype_bytes
+
+
+def buffer_settings(spec: Any, world_size: int, on_cuda: bool) -> dict[str, Any]:
+    """The ZeRO settings a dpkit run uses (:mod:`dpkit.engines.deepspeed.settings`), over
+    DeepSpeed's own defaults (``deepspeed/runtime/zero/config.py``); a bare ``--params``
+    has no hidden size: DeepSpeed's defaults stand."""
+    from dpkit.engines.deepspeed.settings import zero_memory_settings
+    from dpkit.plan.inputs import PERSISTENCE_THRESHOLD
+
+    settings: dict[str, Any] = {
+        "reduce_bucket_size": 500_000_000,
+        "contiguous_gradients": True,
+        "overlap_comm": False,  # DeepSpeed turns it on for stage 3 only
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
+    }
+    if spec.hidden_size:
+        largest = max((n for group in spec.param_groups for n in group), default=None)
+        settings.update(
+            zero_memory_settings(
+                spec.num_params,
+                spec.hidden_size,
+                world_size=world_size,
+                stage=2,
+                largest_param_numel=largest,
+                on_cuda=on_cuda,
+            )
+        )
+    return settings
+
+
+def model_state_bytes(
+    stage: int, offload: bool, num_params: float, world_size: int, precision: str, optimizer: str
+) -> ModelStateBytes:
+    """ZeRO shards optimizer state and master weights from stage 1, gradients from stage 2,
+    parameters from stage 3; below its stage a state is replicated."""
+    psi, n = num_params, float(world_size)
+
+    def per_rank(total_bytes: float, sharded_from_stage: int) -> float:
+        return total_bytes / (n if stage >= sharded_from_stage else 1)
+
+    # DeepSpeed casts the module to the 16-bit dtype.
+    module_bytes = dtype_bytes(precision)
+    params = per_rank(module_bytes * psi, 3)
+    grads = per_rank(module_bytes * psi, 2)
+    if stage in (1, 2) and module_bytes != 4 and not offload:
+        # The step's fp32 copy of the 16-bit partition, beside it (offload builds it in
+        # host memory). Under ZeRO-1 the full 16-bit gradients of backward may be larger.
+        grads = max(grads, (module_bytes + 4) * psi / n)
+    optimizer_bytes = per_rank(OPTIMIZER_STATE_BYTES[optimizer] * psi, 1)
+    master = per_rank(4 * psi, 1)
+    if offload:
+        return ModelStateBytes(
+            params=params,
+            grads=grads,
+            optimizer=0.0,
+            master=0.0,
+            offloaded_to_cpu=optimizer_bytes + master,
+        )
+    return ModelStateBytes(params=params, grads=grads, optimizer=optimizer_bytes, master=master)
+
+
+def paper_grad_bytes(stage: int, num_params: float, world_size: int, precision: str) -> float:
+    """The module dtype's gradients, sharded from stage 2."""
+    shards = world_size if stage >= 2 else 1
+    return dtype_bytes(precision) * num_params / shards
+
+
+def buffer_bytes(
+    stage: int, spec: Any, precision: str, settings: Mapping[str, Any]
+) -> dict[str, float]:
+    """ZeRO-1/2 (and offload): the reduce bucket of ``reduce_bucket_size`` elements in
+    the module dtype, two with ``overlap_comm``. The post-step all-gather writes into the
+    parameters in place (all_gather_into_tensor). ZeRO-3: one reduce bucket, the largest
+    layer gathered whole with its 16-bit gradient (DeepSpeed's ``largest_layer_memory``),
+    the prefetch bucket, and the small tensors every rank keeps whole."""
+    module_bytes = dtype_bytes(precision)
+    # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
+    shards_params = stage >= 3
+    reduce_buckets = 2 if settings["overlap_comm"] and not shards_params else 1
+    parts = {"reduce_bucket": reduce_buckets * settings["reduce_bucket_size"] * module_bytes}
+    if shards_params:
+        parts["gathered_layer"] = 2 * module_bytes * spec.largest_layer_params
+        parts["prefetch_bucket"] = module_bytes * settings["stage3_prefetch_bucket_size"]
+        parts["persistent_small_tensors"] = module_bytes * spec.small_tensor_params
+    return parts
+
+
+def gradient_layout(
+    stage: int, offload: bool, inputs: Any, settings: Mapping[str, Any]
+) -> GradientHighWater | None:
+    """ZeRO-1/2's gradient holding on its worst rank, from the parameter layout; None
+    where the paper's figure stands (offload keeps them off the GPU, ZeRO-3 is for
+    reference, and a bare ``--params`` has no layout)."""
+    if stage not in (1, 2) or offload or not inputs.model.param_groups:
+        return None
+    return _worst_rank_gradients(
+        inputs.model.param_groups,
+        stage,
+        inputs.world_size,
+        dtype_bytes(inputs.precision),
+        settings["reduce_bucket_size"],
+        settings["contiguous_gradients"],
+        inputs.model.param_order[::-1] or None,
+        inputs.gradient_accumulation_steps,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _worst_rank_gradients(
+    groups: tuple[tuple[int, ...], ...],
+    stage: int,
+    world_size: int,
+    module_bytes: int,
+    reduce_bucket_size: int,
+    contiguous_gradients: bool,
+    arrival: tuple[tuple[int, int], ...] | None,
+    accumulation_steps: int,
+) -> GradientHighWater:
+    # Cached: the micro-batch search asks for the same layout dozens of times.
+    ranks = gradient_high_water(
+        groups,
+        stage=stage,
+        world_size=world_size,
+        module_bytes=module_bytes,
+        reduce_bucket_size=reduce_bucket_size,
+        contiguous_gradients=contiguous_gradients,
+        arrival=arrival,
+        accumulation_steps=accumulation_steps,
+    )
+    worst = max(ranks, key=lambda r: r.bytes)
+    # The peak of each phase may sit on another rank than the overall high-water.
+    return GradientHighWater(
+        rank=worst.rank,
+        backward=max(r.backward for r in ranks),
+        step=max(r.step for r in ranks),
+        moment=worst.moment,
+        partition_bytes=worst.partition_bytes,
+    )
+
+
+def step_bytes(
+    stage: int,
+    offload: bool,
+    num_params: float,
+    world_size: int,
+    precision: str,
+    grads_laid_out: bool,
+) -> dict[str, float]:
+    """ZeRO-1/2 (not offloaded): the flat copy of this rank's gradient partition the step
+    makes (in fp32 it becomes the master's gradient; in mixed precision it is cast to
+    fp32, and that fp32 gradient is already among the model states). ZeRO-3: the fp32
+    gradient partition the step reads (DeepSpeed's estimator counts it as "4 bytes grads
+    32bit"). Offload builds them in host memory. With the parameter layout known
+    (``grads_laid_out``) they are part of the step's gradients instead
+    (:mod:`dpkit.engines.deepspeed.layout`)."""
+    if offload or grads_laid_out:
+        return {}
+    if stage in (1, 2):
+        return {"flat_grad_partition": dtype_bytes(precision) * num_params / world_size}
+    return {"fp32_grad_partition": 4 * num_params / world_size}
+
+
+def optimizer_for_plan(offload: bool, optimizer: str) -> str | None:
+    """The optimizer the analytic core should count, or None if it cannot run.
+
+    ``cpu_adam`` needs its parameters in host memory, so DeepSpeed runs it only with
+    optimizer offload. Under offload DeepSpeed swaps Adam/AdamW for its CPU Adam (same
+    state size), and runs SGD on the CPU as a torch optimizer (which needs
+    ``zero_force_ds_cpu_optimizer: false``).
+    """
+    if optimizer == "cpu_adam":
+        return "cpu_adam" if offload else None
+    if offload and optimizer in ("adamw", "adam"):
+        return "cpu_adam"
+    return optimizer
+
+
+def why(strategy: Any, row: Any, inputs: Any) -> str:
+    """What choosing a ZeRO strategy buys and costs."""
+    from dpkit.plan.recommend import format_gib
+
+    n = inputs.world_size
+    if strategy.offload:
+        return (
+            "Offload keeps ZeRO-2's sharding and moves optimizer state, master weights and fp32 "
+            f"gradients to host memory ({format_gib(row.host_offload)} per GPU, "
+            f"{format_gib(row.host_offload * inputs.gpus_per_node)} per node); the optimizer "
+            "step runs on the CPU and gradients and weights cross PCIe every step, so steps "
+            "slow down."
+        )
+    if strategy.zero_stage == 1:
+        return (
+            f"{strategy.label} shards optimizer state and master weights {n} ways at DDP's "
+            "communication volume (ZeRO paper: 2x parameters per step): the least sharding "
+            "that fits."
+        )
+    if strategy.zero_stage == 2:
+        return (
+            f"{strategy.label} also shards gradients {n} ways (reduce-scatter during backward, "
+            "still DDP's volume): the least sharding that fits."
+        )
+    return (
+        "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
+        "backward (1.5x DDP's communication). dpkit runs DeepSpeed up to ZeRO-2, and FSDP2 "
+        "full-shard does not fit; ZeRO-3 needs a DeepSpeed config of your own."
+    )

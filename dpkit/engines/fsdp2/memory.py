@@ -1,0 +1,102 @@
+"""Where an FSDP2 rank's memory lives, and the points of a step where it is probed.
+
+Each rank holds its shard of every parameter, gradient and Adam moment (DTensor local
+storages, padded on dim 0 to a multiple of N) as model states; the whole parameters and
+gradients that exist only inside a forward/backward (a unit's all-gather output, its
+reduce-scatter input) are communication buffers, beside DDP's and ZeRO's buckets. The
+module's attributes point at the whole parameters during the compute, so the walk goes
+through FSDP2's records (``FSDPParam``), not ``module.parameters()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dpkit.memory.walk import (
+    Ledger,
+    claim_module_buffers,
+    claim_optimizer_state,
+    inner_torch_optimizer,
+    storage_key,
+)
+
+
+def fsdp2_params(model: torch.nn.Module, recurse: bool = True) -> list[Any]:
+    """FSDP2's per-parameter records (``FSDPParam``: the shard, the all-gathered whole
+    parameter, its gradient before the reduce-scatter) of every unit in ``model`` (of
+    ``model`` alone if not ``recurse``); torch-internal attributes (torch 2.6-2.13), read
+    with defaults so that a renamed one costs a holder, not a crash. Empty for a model
+    without FSDP2."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    records = []
+    for module in model.modules() if recurse else (model,):
+        if not isinstance(module, FSDPModule):
+            continue
+        group = getattr(module._get_fsdp_state(), "_fsdp_param_group", None)
+        records += list(getattr(group, "fsdp_params", None) or [])
+    return records
+
+
+def walk(ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+    """The shards as model states; the whole parameters and gradients as buffers (a
+    model FSDP2 does not shard walks as plain torch)."""
+    records = fsdp2_params(model)
+    if not records:
+        from dpkit.engines.ddp import memory as plain
+
+        return plain.walk(ledger, model, optimizer)
+    shards = [getattr(r, "sharded_param", None) for r in records]
+    ledger.claim_all(shards, "params", "parameter shards")
+    for record in records:
+        ledger.claim_all(
+            getattr(record, "all_gather_outputs", None) or [],
+            "buffers",
+            "whole parameters (FSDP2 all-gather output)",
+        )
+    torch_opt = inner_torch_optimizer(optimizer)
+    claim_optimizer_state(ledger, torch_opt)
+    ledger.claim_all((getattr(p, "grad", None) for p in shards), "grads", "gradient shards")
+    whole = (getattr(r, "_unsharded_param", None) for r in records)
+    ledger.claim_all(
+        (getattr(p, "grad", None) for p in whole),
+        "buffers",
+        "whole gradients (FSDP2 reduce-scatter input)",
+    )
+    claim_module_buffers(ledger, model)
+    return {"kind": "fsdp2"}
+
+
+def whole_param_keys(unit: torch.nn.Module) -> set[tuple[str, int, int]]:
+    """Storages of the whole parameters an FSDP2 unit holds now (its all-gather output)."""
+    return {
+        key
+        for record in fsdp2_params(unit, recurse=False)
+        for tensor in getattr(record, "all_gather_outputs", None) or []
+        if (key := storage_key(tensor)) is not None
+    }
+
+
+def install_probes(probes: Any, model: torch.nn.Module) -> None:
+    """Shard-grad-op holds every unit's whole parameters from the end of the forward
+    until each unit's backward: the largest moment of its buffers, probed at the end of
+    a training forward. The activation count skips each unit's whole parameters (a
+    pre-hook registered after FSDP2's own, so it runs after the all-gather)."""
+
+    def after_forward(module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.is_grad_enabled():  # a training forward; evaluation keeps nothing
+            probes.probe("forward_end")
+
+    handle = model.register_forward_hook(after_forward)
+    probes.add_remover(handle.remove)
+    activations = probes.activations
+    if activations is None:
+        return
+    activations.param_storages = whole_param_keys
+    for module in model.modules():
+        if module is not model and fsdp2_params(module, recurse=False):
+            activations.add_handle(module.register_forward_pre_hook(activations.note_params))
