@@ -303,7 +303,8 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         assert deviation < LOSS_RTOL, (name, deviation)
         assert row["loss_max_rel_dev_vs_ddp"] == pytest.approx(deviation, abs=1e-12)
         assert max_rel_diff(raw_losses[bare], raw_losses[name]) < LOSS_RTOL, name
-        if get_strategy(name).engine.name == "fsdp2":  # the same arithmetic as DDP's, and as fully_shard's
+        # FSDP2: the same arithmetic as DDP's, and as fully_shard's.
+        if get_strategy(name).engine.name == "fsdp2":
             assert deviation <= FSDP2_RTOL, (name, deviation)
             assert max_rel_diff(raw_losses[bare], raw_losses[name]) <= FSDP2_RTOL, name
         # dpkit plan for each run, gradients laid out as DeepSpeed holds them: every
