@@ -8,10 +8,16 @@ listed, with a one-line reason, in ``tests/mutation_equivalents.txt``, keyed by 
 function and the line before and after the change (not by mutmut's numbering, which
 moves whenever a function changes). The score is killed / (all - equivalent).
 
+Incremental: mutmut keeps every verdict in ``mutants/`` and re-tests only the mutants
+of functions that changed since; the survivors of the last run (and mutants no test
+reached) are re-tested every time, since a test may have been added for them. The first
+run checks every mutant (see docs/testing.md for how long that takes).
+
 Exit status: 0 when the score reaches ``--target`` (0.90) and every survivor is either
 killed or explained; 1 otherwise, with the unexplained survivors' diffs in
 ``mutants/mutation-report.md``. ``--no-run`` reports on the last run only;
-``PATTERN ...`` (mutmut's mutant-name globs, e.g. ``'dpkit.tune.decide*'``) runs a part.
+``PATTERN ...`` (mutmut's mutant-name globs, e.g. ``'dpkit.tune.decide*'``) re-tests
+every mutant of a part, and reports on that part.
 
 Usage: python tests/mutation_report.py [--no-run] [--target 0.9] [PATTERN ...]
 """
@@ -88,6 +94,33 @@ def read_results(with_diffs: bool = True) -> list[Mutant]:
     return mutants
 
 
+def recheck_survivors() -> int:
+    """Mark the last run's survivors and untested mutants unchecked, so that the next
+    ``mutmut run`` tests them again (mutmut itself re-tests only changed functions)."""
+    os.chdir(REPO)
+    from mutmut.mutation.data import SourceFileMutationData
+    from mutmut.stats import status_by_exit_code
+    from mutmut.utils.file_utils import walk_mutatable_files
+
+    count = 0
+    for path in walk_mutatable_files():
+        if not (REPO / "mutants" / f"{path}.meta").exists():
+            continue
+        data = SourceFileMutationData(path=path)
+        data.load()
+        stale = [
+            name
+            for name, code in data.exit_code_by_key.items()
+            if code is not None and status_by_exit_code[code] in ("survived", "no tests")
+        ]
+        for name in stale:
+            data.exit_code_by_key[name] = None
+        if stale:
+            data.save()
+        count += len(stale)
+    return count
+
+
 def read_equivalents(path: Path = EQUIVALENTS) -> dict[tuple[str, str, str, str], str]:
     """``path | function | line before | line after | why`` per line; ``#`` comments."""
     entries = {}
@@ -150,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", type=float, default=0.90)
     args = parser.parse_args(argv)
     if not args.no_run:
+        if not args.patterns and (REPO / "mutants").is_dir():
+            print(f"re-testing {recheck_survivors()} survivors of the last run")
         mutmut = Path(sys.executable).with_name("mutmut")
         done = subprocess.run([str(mutmut), "run", *args.patterns], cwd=REPO)
         if done.returncode not in (0, 1):

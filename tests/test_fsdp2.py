@@ -194,6 +194,16 @@ def test_fsdp2_settings_on_other_strategies_are_refused():
             micro_batch_size=2,
             env={},
         )
+    # Several classes are named back as the user wrote them, comma-separated.
+    with pytest.raises(
+        UsageError, match=r"^--fsdp-layer-classes=_Block,Linear: FSDP2's; zero2 shards no layers$"
+    ):
+        resolve(
+            StrategyConfig(strategy="zero2", fsdp_layer_classes="_Block,Linear"),
+            model=_Stack(),
+            micro_batch_size=2,
+            env={},
+        )
     with pytest.raises(
         UsageError, match=r"^--strategy=fsdp2_shard_grad_op conflicts with --deepspeed="
     ):

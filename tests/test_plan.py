@@ -326,6 +326,55 @@ def test_fsdp2_from_a_count_holds_the_whole_model_in_shard_grad_op_only():
     assert full_shard.buffer_parts == {}
 
 
+def test_the_table_notes_what_each_fsdp2_row_holds_whole(specs):
+    """Under the table, one line per FSDP2 row: how much it holds whole, and when. GPT-2
+    XL in bf16 on 8 GPUs: shard-grad-op holds every layer whole, about 2 bytes x 1.56 B =
+    2.9 GiB; the gradient figure is the root's whole gradients plus the reduce-scatter's
+    input, summed here from the row's own parts (checked in bytes by the tests above)."""
+    from dpkit.plan.output import format_table
+
+    inputs = inputs_for(specs["gpt2-xl"], gpus_per_node=8, precision="bf16")
+    result = make_plan(inputs)
+    lines = format_table(result).splitlines()
+    rows = {row.strategy: row for row in result.rows}
+    held = {
+        "fsdp2_shard_grad_op": (
+            "FSDP2 shard-grad-op",
+            "every layer's and the root's, each from its forward to its backward",
+        ),
+        "fsdp2_full_shard": ("FSDP2 full-shard", "the root's and two layers'"),
+    }
+    for name, (label, when) in held.items():
+        parts = rows[name].buffer_parts
+        whole = parts["fsdp2_whole_params"] / GIB
+        grads = (parts["fsdp2_root_whole_grads"] + parts["fsdp2_reduce_scatter"]) / GIB
+        assert (
+            f"  {label}: whole parameters {whole:.1f} GiB ({when}, in the compute dtype), "
+            f"whole gradients and reduce-scatter input {grads:.1f} GiB "
+            "(dpkit.engines.fsdp2.layout)"
+        ) in lines, name
+    assert f"{2 * PUBLISHED_PARAMS['gpt2-xl'] / GIB:.1f}" == "2.9"
+    assert "  FSDP2 shard-grad-op: whole parameters 2.9 GiB (" in "\n".join(lines)
+    # Full-shard holds the root (the 50257 x 1600 embedding, 0.15 GiB in bf16) and two
+    # of 48 layers whole: far below shard-grad-op.
+    assert rows["fsdp2_full_shard"].buffer_parts["fsdp2_whole_params"] < 0.2 * 2.9 * GIB
+
+
+def test_the_table_says_what_a_bare_count_leaves_out_of_fsdp2():
+    from dpkit.plan.output import format_table
+
+    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
+    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=8, seq_len=1024)
+    lines = format_table(make_plan(inputs)).splitlines()
+    assert (
+        "  FSDP2 shard-grad-op: a bare --params has no layout: whole gradients not counted" in lines
+    )
+    assert (
+        "  FSDP2 full-shard: a bare --params has no layout: "
+        "whole parameters and gradients not counted"
+    ) in lines
+
+
 # --- DeepSpeed's own estimators -------------------------------------------------------------
 
 
@@ -802,3 +851,26 @@ def test_against_an_fsdp2_run_plans_fsdp2_not_deepspeeds_layout(tmp_path, strate
     assert check.predicted == {**measured, "total": 528}
     assert set(check.error_pct.values()) == {0.0, None}  # master: 0 predicted, 0 measured
     assert check.grads_where == "" and "dpkit.engines.deepspeed.layout" not in format_check(check)
+
+
+def test_the_public_gradient_layout_is_the_one_the_rows_use(specs):
+    """``dpkit.plan.gradient_layout``: DeepSpeed ZeRO-1/2 lay gradients out by their own
+    buckets (the figures themselves are checked by hand in tests/test_zero_layout.py); DDP
+    and FSDP2 hold the paper's figure, so there is no layout (None)."""
+    from dpkit.plan import gradient_layout
+
+    spec = specs["gpt2"]
+    inputs = inputs_for(spec, gpus_per_node=8, precision="bf16")
+    settings = plan.buffer_settings(spec, 8)
+    for name in ("ddp", "fsdp2_shard_grad_op", "fsdp2_full_shard"):
+        assert gradient_layout(inputs, name, settings) is None, name
+    for name in ("zero1", "zero2"):
+        layout = gradient_layout(inputs, STRATEGIES[name], settings)
+        row = plan.estimate(inputs, name, 1, None, settings)
+        assert (row.grads, row.grads_backward, row.grads_step) == (
+            max(layout.backward, layout.step), layout.backward, layout.step,
+        )  # fmt: skip
+        assert row.grads_where == f"rank {layout.rank}, {layout.moment}"
+        # Not the paper's figure: ZeRO's 16-bit gradient partition 2 Psi / 8 is far less
+        # than what DeepSpeed's buckets keep alive.
+        assert layout.backward > 2 * PUBLISHED_PARAMS["gpt2"] / 8

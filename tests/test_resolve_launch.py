@@ -449,3 +449,48 @@ def test_more_processes_than_several_gpus_is_refused_in_the_plural():
         "--num_gpus 2, accelerate launch --num_processes 2 per machine) or make more GPUs "
         "visible (CUDA_VISIBLE_DEVICES)"
     )
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, (1, "1")),  # python recipe.py: alone
+        ({"LOCAL_RANK": "3"}, (4, "LOCAL_RANK=3, so at least 4")),
+        # torchrun / accelerate: LOCAL_WORLD_SIZE; Open MPI names its own.
+        ({"LOCAL_WORLD_SIZE": "8", "LOCAL_RANK": "0"}, (8, "LOCAL_WORLD_SIZE=8")),
+        ({"OMPI_COMM_WORLD_LOCAL_SIZE": "2", "LOCAL_RANK": "1"}, (2, "OMPI_COMM_WORLD_LOCAL_SIZE=2")),
+    ],
+)  # fmt: skip
+def test_the_local_process_count_says_where_it_was_read(env, expected):
+    from dpkit.train.launcher import local_process_count
+
+    assert local_process_count(env) == expected
+
+
+def test_more_ranks_than_gpus_is_refused_on_cuda_only():
+    from dpkit.train.launcher import check_ranks_per_gpu
+
+    check_ranks_per_gpu(4, 0)  # a CPU run (gloo): any number of ranks
+    check_ranks_per_gpu(2, 2)
+    with pytest.raises(UsageError, match="LOCAL_WORLD_SIZE=3"):
+        check_ranks_per_gpu(3, 2)
+
+
+@pytest.mark.parametrize(
+    ("flags", "plain"),
+    [
+        ({}, True),
+        ({"ACCELERATE_USE_FSDP": "false", "ACCELERATE_USE_DEEPSPEED": "false"}, True),
+        # accelerate writes "true"; a user's own environment may say "True".
+        ({"ACCELERATE_USE_FSDP": "true"}, False),
+        ({"ACCELERATE_USE_FSDP": "True"}, False),
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, False),
+        ({"ACCELERATE_USE_DEEPSPEED": "TRUE"}, False),
+    ],
+)
+def test_accelerate_without_a_backend_is_told_by_its_use_flags(flags, plain):
+    from dpkit.train.launcher import uses_accelerate_without_backend
+
+    assert uses_accelerate_without_backend({"ACCELERATE_DYNAMO_BACKEND": "NO", **flags}) is plain
+    # Not accelerate at all (torchrun sets no ACCELERATE_DYNAMO_BACKEND).
+    assert uses_accelerate_without_backend(flags) is False

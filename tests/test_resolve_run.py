@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -257,6 +258,19 @@ def test_precision_and_world_size_come_from_the_launcher():
     assert (resolution.precision, resolution.world_size) == ("bf16", 3)
 
 
+def test_with_no_env_given_resolve_reads_the_process_environment(monkeypatch):
+    """``env`` defaults to ``os.environ`` (what a launched script has), and ``scale_lr``
+    to ``none``: a learning rate is kept as given, whatever the world size."""
+    for name in list(os.environ):
+        if name.startswith(("ACCELERATE_", "FSDP_", "PET_", "DEEPSPEED_")):
+            monkeypatch.delenv(name)
+    for name, value in torchrun_env(3).items():
+        monkeypatch.setenv(name, value)
+    resolution = resolve(None, model=SIZES, micro_batch_size=2, learning_rate=3e-5)
+    assert resolution.world_size == 3
+    assert resolution.learning_rate == 3e-5
+
+
 def test_accelerate_settings_equal_to_the_runs_are_accepted():
     env = {
         **torchrun_env(2),
@@ -420,3 +434,9 @@ def test_on_cuda_fsdp2_refuses_fp16(cuda_machine):
     )
     bf16 = StrategyConfig(strategy="fsdp2_full_shard", mixed_precision="bf16")
     assert resolve(bf16, model=SIZES, micro_batch_size=2, env={}).precision == "bf16"
+
+
+@pytest.mark.parametrize("rule", ["Linear", "square-root", ""])
+def test_an_unknown_lr_scaling_rule_is_refused_not_ignored(rule):
+    with pytest.raises(UsageError, match=f"scale_lr={rule!r}: want 'none', 'linear' or 'sqrt'"):
+        resolve(None, model=SIZES, micro_batch_size=2, learning_rate=1e-4, scale_lr=rule, env={})

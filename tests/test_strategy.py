@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from types import SimpleNamespace
 
@@ -194,6 +195,71 @@ def test_explicit_value_that_disagrees_with_the_recipe_is_refused():
     template["train_batch_size"] = 100
     with pytest.raises(UsageError, match="train_batch_size=100"):
         _fill(template)
+
+
+def test_the_template_is_not_modified_at_any_depth():
+    """The shipped JSON's nested sections ("auto" bf16, zero_optimization) stay as read:
+    a template filled for one run is filled again for the next (dpkit tune, the bench)."""
+    template = _load(ZERO2)
+    before = copy.deepcopy(template)
+    _fill(template, precision="bf16")
+    assert template == before
+
+
+# Each refusal in full: the key's dotted path as the user wrote it, both values, and why.
+AUTO_HINT = ': set it to "auto" or change the recipe flag'
+
+
+@pytest.mark.parametrize(
+    ("key", "written", "message"),
+    [
+        ("train_micro_batch_size_per_gpu", 4,
+         "train_micro_batch_size_per_gpu=4 disagrees with the recipe's 8"),
+        ("gradient_accumulation_steps", 2,
+         "gradient_accumulation_steps=2 disagrees with the recipe's 4"),
+        # 8 x 4 x 2 = 64, the identity DeepSpeed asserts at start.
+        ("train_batch_size", 100,
+         "train_batch_size=100 disagrees with the recipe's 64 "
+         "(micro_batch 8 x accumulation 4 x world_size 2)"),
+        ("gradient_clipping", 0.5, "gradient_clipping=0.5 disagrees with the recipe's 1.0"),
+        ("bf16", {"enabled": True}, "bf16.enabled=True disagrees with the recipe's False"),
+    ],
+)  # fmt: skip
+def test_each_written_value_that_disagrees_is_refused_in_full(key, written, message):
+    template = _load(ZERO2)
+    template[key] = written
+    with pytest.raises(UsageError) as refused:
+        _fill(template)
+    assert str(refused.value) == f"deepspeed config {message}{AUTO_HINT}"
+
+
+def test_a_json_optimizer_gets_only_the_keys_it_leaves_auto():
+    """lr is "auto": the run's; weight_decay is not in the section: it stays out (AdamW's
+    own default), not added from the run."""
+    template = _load(ZERO2) | {"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}
+    config = _fill(template, learning_rate=3e-4, weight_decay=0.05)
+    assert config["optimizer"]["params"] == {"lr": 3e-4}
+
+
+def test_an_auto_dpkit_cannot_fill_is_refused_naming_every_one():
+    """No learning rate to fill a JSON optimizer's "auto" lr with, and a scheduler's "auto"
+    warm-up (accelerate fills that from its own scheduler, which dpkit's recipes do not use)."""
+    template = _load(ZERO2) | {
+        "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}},
+    }
+    with pytest.raises(UsageError) as refused:
+        _fill(template, learning_rate=None)
+    assert str(refused.value) == (
+        "deepspeed config: dpkit cannot fill "
+        'optimizer.params.lr, scheduler.params.warmup_num_steps="auto"'
+    )
+
+
+def test_a_json_without_a_zero_section_gets_the_runs_zero_settings():
+    config = _fill({"train_batch_size": "auto"})
+    assert config["zero_optimization"] == MINILM_ZERO_SETTINGS
+    assert config["train_batch_size"] == 8 * 4 * 2
 
 
 def test_fp16_needs_cuda_and_launcher_conflicts():

@@ -94,11 +94,11 @@ def read_launch(args: Any, env: Mapping[str, str], *, on_cuda: bool) -> Launch:
     """
     check_launcher(env)
     world_size = int(env.get("WORLD_SIZE", "1"))
-    launch = None
-    for engine in ENGINES:
-        launch = engine.launched(args, env)
-        if launch is not None:
-            break
+    # The first engine whose launcher started this process (accelerate's or DeepSpeed's
+    # own env, a DeepSpeed JSON); none: the flag (or DDP) says.
+    launch = next(
+        (found for engine in ENGINES if (found := engine.launched(args, env)) is not None), None
+    )
     if launch is None:
         strategy = REFERENCE if args.strategy == "auto" else get_strategy(args.strategy)
         launch = strategy.engine.from_flag(strategy, args, env)

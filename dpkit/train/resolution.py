@@ -34,9 +34,9 @@ def _cuda_available() -> bool:
 
 @dataclass(frozen=True)
 class Request:
-    """What a run asks for, as every engine reads it: the flags, the launcher and the model."""
+    """What a run asks for, as every engine reads it: the flags, the launcher and the model
+    (the strategy itself is ``configure``'s first argument)."""
 
-    strategy: Strategy
     source: str
     """Where the strategy came from, for the log and messages."""
     args: StrategyConfig
@@ -158,7 +158,6 @@ def resolve(
             learning_rate, scale_lr, launch.world_size, gradient_accumulation_steps
         )
     request = Request(
-        strategy=launch.strategy,
         source=launch.source,
         args=args,
         env=env,
@@ -200,4 +199,7 @@ def scaled_learning_rate(base_lr: float, rule: str, world_size: int, accumulatio
         return base_lr * factor
     if rule == "sqrt":
         return base_lr * math.sqrt(factor)
-    return base_lr
+    if rule == "none":
+        return base_lr
+    # An API caller's typo would otherwise train at the unscaled rate without a word.
+    raise UsageError(f"scale_lr={rule!r}: want 'none', 'linear' or 'sqrt'")
