@@ -492,7 +492,12 @@ def _write_run(run_dir: Path, step_times: list[float], losses: list[float]) -> N
 
 
 def _write_dpkit_run(
-    run_dir: Path, strategy: str, step_times: list[float], losses: list[float], states: dict
+    run_dir: Path,
+    strategy: str,
+    step_times: list[float],
+    losses: list[float],
+    states: dict,
+    precision: str = "fp32",
 ) -> None:
     """A dpkit run's files as the recipe writes them: its step log, run config and info,
     memory report (two ranks holding ``states``), summary and (ZeRO) DeepSpeed JSON."""
@@ -514,7 +519,7 @@ def _write_dpkit_run(
     report = {
         "strategy": strategy,
         "world_size": 2,
-        "precision": "fp32",
+        "precision": precision,
         "num_params": TINY_PSI,
         "predicted": {"ratio": 1.0},
         "ranks": ranks,
@@ -635,3 +640,42 @@ def test_a_whole_bench_is_assembled_from_its_runs_files(tmp_path):
     assert found[("zero2", "gradient high-water per rank ~ DDP/2")] == (pytest.approx(0.6), False)
     assert found[("zero2", "loss deviation from DDP < 0.002")] == (pytest.approx(0.001), True)
     assert found[("zero2", "throughput vs DDP >= 0.9")] == (pytest.approx(0.25 / 0.45), False)
+
+
+def test_a_bf16_bench_without_collectives_holds_its_losses_to_bf16s_tolerance(tmp_path):
+    """The precision is the runs' own (their memory reports): bf16's 2^-6, so a ZeRO-2
+    run 1% off DDP passes (it fails in fp32, above). No collectives phase ran: none."""
+    runs = tmp_path / "runs"
+    losses = [3.0, 2.5, 2.0, 1.5]
+    _write_dpkit_run(runs / "ddp", "ddp", [2.0, 0.2, 0.3, 0.25], losses, DDP_STATES, "bf16")
+    zero2_losses = [*losses[:3], 1.5 * 1.01]
+    _write_dpkit_run(
+        runs / "zero2", "zero2", [3.0, 0.5, 0.4, 0.45], zero2_losses, ZERO2_STATES, "bf16"
+    )
+    ddp, zero2 = get_strategy("ddp"), get_strategy("zero2")
+    phases = [
+        launch.Phase("ddp", ddp, False, "accelerate launch", ["a"], runs / "ddp"),
+        launch.Phase("zero2", zero2, False, "accelerate launch", ["a"], runs / "zero2"),
+    ]
+    settings = {"nproc": 2, "warmup_steps": 1, "zero_overrides": {}}
+    results = bench_results.build_results(
+        phases, {"ddp": 30.0, "zero2": 40.0}, settings, {}, "dpkit bench", 70.0
+    )
+    assert results["precision"] == "bf16"
+    assert results["targets"]["loss_rtol"] == BF16_LOSS_RTOL
+    assert results["collectives"] is None
+    found = {(c["strategy"], c["check"]): (c["value"], c["ok"]) for c in results["checks"]}
+    assert found[("zero2", "loss deviation from DDP < 0.015625")] == (pytest.approx(0.01), True)
+    assert not any(check.endswith("< 0.002") for _, check in found)
+
+
+def test_a_bench_of_one_strategy_is_read_from_that_run(tmp_path):
+    """``dpkit bench --strategies zero2``: one run, no DDP to compare with; the model and
+    precision are that run's."""
+    _write_dpkit_run(tmp_path / "zero2", "zero2", [3.0, 0.5, 0.4], [3.0, 2.5, 2.0], ZERO2_STATES)
+    phase = launch.Phase("zero2", get_strategy("zero2"), False, "a", ["a"], tmp_path / "zero2")
+    settings = {"nproc": 2, "warmup_steps": 1, "zero_overrides": {}}
+    results = bench_results.build_results([phase], {"zero2": 9.0}, settings, {}, "b", 9.0)
+    assert results["strategies"] == ["zero2"]
+    assert (results["num_params"], results["precision"]) == (TINY_PSI, "fp32")
+    assert "loss_max_rel_dev_vs_ddp" not in results["comparison"]["zero2"]

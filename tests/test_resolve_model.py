@@ -146,6 +146,13 @@ def test_a_folder_without_a_tokenizer_is_refused_in_one_line(tmp_path):
     message = str(err.value)
     assert message.startswith("--model='empty': cannot load its tokenizer (")
     assert "\n" not in message
+    # The reason in brackets is transformers' own, its first line (asked of it directly).
+    from transformers import AutoTokenizer
+
+    with pytest.raises((OSError, ValueError, TypeError)) as raised:
+        AutoTokenizer.from_pretrained(str(tmp_path))
+    reason = str(raised.value).strip().splitlines()[0]
+    assert len(reason) > 20 and message == f"--model='empty': cannot load its tokenizer ({reason})"
 
 
 # ---- positions and width --------------------------------------------------------------------
