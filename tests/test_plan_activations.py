@@ -92,6 +92,10 @@ def test_formula_profile_of_a_small_gpt2():
         "outside_layers": 8 * sh + 4 * 8 * 50, "layers": 3 * plain_layer,
         "logits_peak": 8 * 50 * 12,
     }  # fmt: skip
+    # GPT-2's own name for a narrower MLP, n_inner = 40 instead of 4h = 64: each layer's
+    # MLP saves two 16-bit s x i tensors, 2 x 2 x 8 x 24 bytes less.
+    narrow = activations.formula_profile(_gpt2_spec(n_inner=40), 8, "bf16", False, "eager")
+    assert narrow.per_sample["layers"] == 3 * (layer - 2 * 2 * 8 * 24)
 
 
 def test_formula_profile_reads_the_llama_names_of_the_same_shapes():

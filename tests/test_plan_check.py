@@ -272,6 +272,9 @@ def test_accumulation_comes_from_the_runs_info_or_the_trainers_record(tmp_path):
                run_info={"gradient_accumulation_steps": 2})
     )  # fmt: skip
     assert two.predicted["grads"] == 8 * psi
+    # A run_info.json that does not say (written before it recorded accumulation): one.
+    unsaid = check_run(_write(tmp_path / "unsaid", report, run_config=config, run_info={}))
+    assert unsaid.predicted["grads"] == one.predicted["grads"]
     trainer = _trainer_report(settings=report["settings"])  # its record: no accumulation
     run_dir = _write(tmp_path / "t", trainer, run_info={"gradient_accumulation_steps": 2})
     assert check_run(run_dir).predicted["grads"] == 156  # as at one micro-batch, above
