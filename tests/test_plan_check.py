@@ -364,3 +364,4 @@ def test_the_json_gives_whole_bytes():
         "grads_paper_bytes": MIB // 2,
         "grads_where": "rank 1, step, group 0 (flat copy of the partition)",
     }  # fmt: skip
+
