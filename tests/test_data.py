@@ -453,3 +453,22 @@ def test_only_a_sequence_classification_architecture_has_a_head():
     assert is_sequence_classifier(_bert(architectures=["BertForSequenceClassification"]))
     assert not is_sequence_classifier(_bert(architectures=["BertForMaskedLM"]))
     assert not is_sequence_classifier(SimpleNamespace())  # a config without the field
+
+
+@pytest.mark.parametrize(
+    ("label", "shown"),
+    [
+        # A repr of 40 characters (1 + 4 x 9 + 2 + 1) is shown whole.
+        ([10**6] * 4 + [12], "[1000000, 1000000, 1000000, 1000000, 12]"),
+        # 41: its first 37 characters and "...".
+        ([10**6] * 4 + [123], "[1000000, 1000000, 1000000, 1000000, ..."),
+    ],
+)
+def test_an_odd_label_is_shown_whole_up_to_40_characters(label, shown):
+    from dpkit.data.classification import _labels_from_values
+
+    with pytest.raises(UsageError) as err:
+        _labels_from_values({"train": {"label": [label]}}, "y")
+    assert str(err.value) == (
+        f"--label-column='y': labels must be integers or strings, found list {shown}"
+    )

@@ -217,6 +217,23 @@ def test_a_finetune_run_names_its_model_in_its_model_config(tmp_path):
     }  # fmt: skip
 
 
+def test_a_finetune_config_needs_both_sections_and_not_its_sequence_length(tmp_path):
+    """Its model and its micro-batch come from two sections: one alone is not a finetune
+    run. max_seq_length is optional (runs before it was recorded): the figures stand."""
+    folder, psi = _tiny_bert_folder(tmp_path / "bert")
+    config = {"ModelConfig": {"model": str(folder)}}
+    run_dir = _write(tmp_path / "half", _recipe_report("ddp"), run_config=config)
+    with pytest.raises(UsageError) as err:
+        check_run(run_dir)
+    assert str(err.value) == (
+        f"--against={str(run_dir)!r}: run_config.json: not from recipes/finetune.py or "
+        "recipes/train_lm.py"
+    )
+    config["TrainConfig"] = {"micro_batch_size": 3}
+    check = check_run(_write(tmp_path / "whole", _recipe_report("ddp"), run_config=config))
+    assert check.predicted["total"] == 8 * psi
+
+
 def test_a_train_lm_run_names_its_size_or_its_config(tmp_path):
     """The LM recipe's section: the named size (tiny: 4 blocks of 256, 8192 tokens, 128
     positions) or a config file. ZeRO-1 bf16 SGD at N=4: the bf16 module (2 bytes) and the
@@ -364,4 +381,3 @@ def test_the_json_gives_whole_bytes():
         "grads_paper_bytes": MIB // 2,
         "grads_where": "rank 1, step, group 0 (flat copy of the partition)",
     }  # fmt: skip
-

@@ -106,7 +106,10 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
         name = config["ModelConfig"]["model"]
         spec = load_model(name, task="sequence_classification")
         micro_batch = int(config["TrainConfig"]["micro_batch_size"])
-        return name, spec, micro_batch, int(config["ModelConfig"].get("max_seq_length", 128))
+        # Runs from before max_seq_length was recorded: the recipe's default, within the
+        # model's positions (model states do not depend on it).
+        default = min(128, spec.max_positions or 128)
+        return name, spec, micro_batch, int(config["ModelConfig"].get("max_seq_length", default))
     if "LMWorkload" in config:  # recipes/train_lm.py (and dpkit bench)
         from dpkit.data import lm as lm_data
 
