@@ -79,7 +79,8 @@ def main() -> None:
     resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
     tokenizer = models.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
     set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
-    model = AutoModelForSequenceClassification.from_pretrained(
+    model = models.load_pretrained(  # from_pretrained; a new head said in one line
+        AutoModelForSequenceClassification,
         resume.path if resume else model_path,
         **models.classifier_labels(label_names, tokenizer),
         **model_cfg.dropout_overrides(hf_config),

@@ -1,0 +1,206 @@
+"""A user's own files and folders (issue 34): shipped configs from any directory, config
+paths found beside the YAML that names them, the input checked before the model loads,
+transformers' load report said in one line when all it says is a new head.
+
+Expectations are the shipped files' own bytes (read from ``ds_configs/`` in the
+repository, not from dpkit's packaged copies) and the exact lines a user sees.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dpkit.config_files import find_config, launcher_yaml
+from dpkit.errors import UsageError
+from dpkit.train.config import StrategyConfig
+from dpkit.train.launcher import read_launch
+from tests.harness import REPO, assert_refused, launch_env
+
+# What accelerate launch leaves in the environment for a DeepSpeed YAML (accelerate 1.15,
+# utils/launch.py): the YAML's deepspeed_config_file as written, and its launch marker.
+ACCELERATE_DS_ENV = {"ACCELERATE_USE_DEEPSPEED": "true"}
+# Small and quick: the runs here are refused before any of it matters.
+ARGS_QUICK = ["--max-steps", "2", "--micro-batch-size", "16", "--max-seq-length", "64"]
+
+
+def test_a_shipped_name_is_dpkits_copy_from_any_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ds_configs/ here, as beside a user's own script
+    shipped = (REPO / "ds_configs" / "zero2.json").read_bytes()
+    for name in ("ds_configs/zero2.json", "zero2.json", "./ds_configs/zero2.json"):
+        found = find_config(name, "--deepspeed")
+        assert Path(found.path).read_bytes() == shipped, name
+        assert found.note.startswith(f"--deepspeed: {name!r} is not in the current directory")
+    # A path that merely ends like a shipped one is the user's, never ours.
+    for name in ("other/zero2.json", str(tmp_path / "zero2.json")):
+        with pytest.raises(UsageError, match="no such file"):
+            find_config(name, "--deepspeed")
+
+
+def test_a_local_file_wins_over_the_shipped_copy(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ds_configs").mkdir()
+    (tmp_path / "ds_configs" / "zero2.json").write_text('{"zero_optimization": {"stage": 1}}')
+    found = find_config("ds_configs/zero2.json", "--deepspeed")
+    assert found.path == "ds_configs/zero2.json" and found.note is None
+
+
+def test_a_yaml_key_is_found_beside_the_yaml(tmp_path, monkeypatch):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "mine.json").write_text("{}")
+    found = find_config("mine.json", "cfg/run.yaml deepspeed_config_file", beside=tmp_path / "cfg")
+    assert found.path == str(tmp_path / "cfg" / "mine.json")
+    assert "relative to the YAML's folder" in found.note
+
+
+def test_the_yaml_is_read_from_the_accelerate_command_line():
+    env = {"ACCELERATE_USE_DEEPSPEED": "true"}
+    argv = ["/venv/bin/accelerate", "launch", "--config_file", "/a/b/zero2.yaml", "own.py"]
+    assert launcher_yaml(env, argv) == Path("/a/b/zero2.yaml")
+    assert launcher_yaml(env, ["accelerate", "launch", "--config-file=/c/d.yaml", "x.py"]) == Path(
+        "/c/d.yaml"
+    )
+    assert launcher_yaml(env, ["accelerate", "launch", "x.py"]) is None  # no --config_file
+    assert launcher_yaml({}, argv) is None  # not an accelerate launch
+    torchrun = ["/venv/bin/torchrun", "--config_file", "/a/b/zero2.yaml", "own.py"]
+    assert launcher_yaml(env, torchrun) is None  # another launcher's flag
+
+
+def test_a_yaml_path_found_nowhere_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = {**ACCELERATE_DS_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "conf/mine.json"}
+    with pytest.raises(UsageError) as refused:
+        read_launch(StrategyConfig(), env, on_cuda=False)
+    # pytest's parent is no accelerate launch: the YAML is unknown, the variable is named.
+    assert str(refused.value) == (
+        "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)='conf/mine.json': no such "
+        "file in the current directory, and not one of dpkit's shipped configs "
+        "(zero1.json, zero2.json)"
+    )
+
+
+def test_the_shipped_yaml_from_another_directory_runs_its_json(tmp_path, monkeypatch):
+    """What accelerate hands a script launched with ds_configs/accelerate/zero1.yaml from
+    outside the repository: the path as written, found as dpkit's copy, said once."""
+    from dpkit.models import ModelSizes
+    from dpkit.train.resolution import resolve
+
+    monkeypatch.chdir(tmp_path)
+    env = {**ACCELERATE_DS_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero1.json"}
+    launch = read_launch(StrategyConfig(), env, on_cuda=False)
+    assert launch.strategy.name == "zero1"  # the stage written in ds_configs/zero1.json
+    assert Path(launch.config_path).read_bytes() == (REPO / "ds_configs/zero1.json").read_bytes()
+    sizes = ModelSizes(num_params=1000, hidden_size=8, largest_param_numel=64)
+    resolution = resolve(model=sizes, micro_batch_size=2, env=env)
+    said = [note for note in resolution.notes if "ds_configs/zero1.json" in note]
+    assert len(said) == 1, resolution.notes
+
+
+@pytest.mark.multiprocess
+def test_an_own_yaml_names_its_json_relative_to_itself(tmp_path):
+    """A real ``accelerate launch --config_file cfg/run.yaml`` from another folder: the
+    YAML's deepspeed_config_file (not a shipped name) is found beside the YAML."""
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    config = json.loads((REPO / "ds_configs/zero2.json").read_text())
+    (cfg / "mine.json").write_text(json.dumps(config))
+    shipped_yaml = (REPO / "ds_configs/accelerate/zero2.yaml").read_text()
+    (cfg / "run.yaml").write_text(shipped_yaml.replace("ds_configs/zero2.json", "mine.json"))
+    script = tmp_path / "own.py"
+    script.write_text(
+        "import dpkit\n"
+        "from dpkit.models import ModelSizes\n"
+        "run = dpkit.setup(model=ModelSizes(num_params=1000, hidden_size=8, "
+        "largest_param_numel=64), micro_batch_size=2)\n"
+        "print('resolved', run.strategy.name, run.resolution.settings.ds_config_path)\n"
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    cmd = [accelerate, "launch", "--config_file", "../cfg/run.yaml", "--num_processes", "2"]
+    result = subprocess.run(
+        [*cmd, str(script)], cwd=work, env=launch_env(), capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    resolved = [line for line in result.stdout.splitlines() if line.startswith("resolved")]
+    assert resolved == [f"resolved zero2 {cfg / 'mine.json'}"] * 2, result.stdout[-3000:]
+
+
+def test_a_malformed_deepspeed_json_is_refused_before_the_model_loads(tmp_path, warm_recipe):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"train_batch_size": "auto",}')
+    out = tmp_path / "run"
+    result = warm_recipe.run(*ARGS_QUICK, "--deepspeed", str(bad), "--output-dir", str(out))
+    assert_refused(result, f"deepspeed config {str(bad)!r}: not valid JSON", out, exit_code=2)
+    # Loading the model logs its report (the table, or dpkit's line for a new head).
+    assert "LOAD REPORT" not in result.output and "head (" not in result.output, result.output
+
+
+def _tiny_bert(folder: Path, task: str) -> str:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32,
+    )  # fmt: skip
+    getattr(transformers, task)(config).save_pretrained(folder)
+    return str(folder)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "expected_head_line", "table_kept"),
+    [
+        # A backbone's weights only: the classifier head is new, as in every fine-tune.
+        ("BertModel", True, False),
+        # A masked-LM checkpoint: its cls.* head is unexpected here, worth the table.
+        ("BertForMaskedLM", False, True),
+    ],
+)
+def test_the_load_report_is_one_line_for_a_new_head(
+    checkpoint, expected_head_line, table_kept, tmp_path
+):
+    from transformers import BertForSequenceClassification
+
+    from dpkit.models import load_pretrained
+
+    path = _tiny_bert(tmp_path / checkpoint, checkpoint)
+    caught = {name: _Lines() for name in ("dpkit", "transformers.modeling_utils")}
+    for name, handler in caught.items():
+        logging.getLogger(name).addHandler(handler)
+    level = logging.getLogger("dpkit").level
+    logging.getLogger("dpkit").setLevel(logging.INFO)
+    try:
+        model = load_pretrained(BertForSequenceClassification, path, num_labels=3)
+    finally:
+        logging.getLogger("dpkit").setLevel(level)
+        for name, handler in caught.items():
+            logging.getLogger(name).removeHandler(handler)
+    assert model.classifier.out_features == 3
+    head_lines = [line for line in caught["dpkit"].lines if "head (" in line]
+    assert head_lines == (
+        [
+            "model: a new BertForSequenceClassification head (classifier.bias, "
+            "classifier.weight), initialised from the seed: expected when fine-tuning"
+        ]
+        if expected_head_line
+        else []
+    )
+    tables = [line for line in caught["transformers.modeling_utils"].lines if "LOAD REPORT" in line]
+    assert len(tables) == (1 if table_kept else 0)
