@@ -204,3 +204,120 @@ def test_the_load_report_is_one_line_for_a_new_head(
     )
     tables = [line for line in caught["transformers.modeling_utils"].lines if "LOAD REPORT" in line]
     assert len(tables) == (1 if table_kept else 0)
+
+
+def test_the_callbacks_refusal_is_one_line_without_run_and_exit(monkeypatch, capsys):
+    """A Trainer script as docs/trainer.md shows it, run by torchrun on a CPU machine
+    without use_cpu=True: each rank trains alone. The Trainer calls the callback; the
+    user sees one line and exit code 2, not a traceback through the Trainer."""
+    from types import SimpleNamespace
+
+    from accelerate.state import PartialState
+
+    from dpkit.integrations.transformers import MemoryReportCallback
+
+    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU", "RANK"):
+        monkeypatch.delenv(key, raising=False)
+    PartialState(cpu=True)  # one process, as each unconnected rank is
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as stopped:
+        MemoryReportCallback().on_init_end(SimpleNamespace(deepspeed=None), None, None)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "train.py: error: WORLD_SIZE=2: the launcher started 2 processes but each trains alone"
+    ), err
+
+
+def test_the_tune_winners_command_runs_without_the_virtualenv_on_path(tmp_path):
+    """command.sh with PATH=/usr/bin:/bin (no virtualenv): it still starts the winner's
+    launch. A flag the recipe refuses ends it at the recipe's argument parsing, so what
+    is checked is that the launcher and the recipe ran, not 127 (command not found)."""
+    from dpkit.tune import report
+    from dpkit.tune.config import RecipeInfo, TuneConfig, TuneSettings
+    from dpkit.tune.decide import Decision
+    from dpkit.tune.space import Candidate
+    from dpkit.tune.trials import OK, Trial
+
+    settings = TuneSettings(
+        config=TuneConfig(recipe_args=("--size", "tiny")),
+        recipe=RecipeInfo(REPO / "recipes" / "train_lm.py", frozenset(), 4),
+        nproc=2, device="cpu", global_batch_size=8, per_rank_batch=4, baseline_micro_batch=4,
+        micro_batch_sizes=(4,), precision="no", memory_budget=None, threads_per_process=1,
+        output_dir=tmp_path,
+    )  # fmt: skip
+    trial = Trial(Candidate("ddp", 4, 1), status=OK, figures={"median_step_time_s": 1.0})
+    decision = Decision(trial, None, None, [trial.name], "fastest", {}, 2e-3)
+    where = report.write_winner(settings, decision, tmp_path)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        ["bash", str(where / "command.sh"), "--no-such-flag"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode not in (0, 127), output[-3000:]
+    refusals = [line for line in output.splitlines() if "train_lm.py: error:" in line]
+    assert refusals == ["train_lm.py: error: --no-such-flag: not a flag of this recipe"], output[
+        -3000:
+    ]
+
+
+# A script of the user's own on dpkit's API (README's four calls), one process, a tiny
+# BERT classifier; it writes its parameter count as torch counts it, for the test (paths
+# come in the environment: dpkit.setup() refuses command-line arguments it does not know).
+_OWN_SCRIPT = """
+import json, os, torch, transformers
+import dpkit
+config = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1,
+    num_attention_heads=2, intermediate_size=32, max_position_embeddings=32, num_labels=2)
+model = transformers.BertForSequenceClassification(config)
+run = dpkit.setup(model=model, micro_batch_size=2, output_dir=os.environ["OUT"])
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+data = [{"input_ids": torch.randint(0, 64, (8,)), "labels": torch.tensor(i % 2)} for i in range(8)]
+loader = torch.utils.data.DataLoader(data, batch_size=2)
+model, optimizer, loader = run.prepare(model, optimizer, loader)
+for step, batch in enumerate(loader, start=1):
+    run.accelerator.backward(model(**batch).loss)
+    optimizer.step()
+    optimizer.zero_grad()
+run.finish(step=step)
+psi = sum(p.numel() for p in run.accelerator.unwrap_model(model).parameters())
+json.dump({"params": psi}, open(os.environ["COUNTED"], "w"))
+"""
+
+
+def test_plan_against_a_run_of_an_own_api_script(tmp_path):
+    from dpkit.plan.check import check_run
+
+    script, out, counted = tmp_path / "own.py", tmp_path / "out", tmp_path / "counted.json"
+    script.write_text(_OWN_SCRIPT)
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
+        env=launch_env(OUT=str(out), COUNTED=str(counted)), timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    psi = json.loads(counted.read_text())["params"]
+    check = check_run(out)
+    # One fp32 DDP process with AdamW: 4 bytes of parameter and of gradient per parameter,
+    # 8 of moments (ZeRO paper's accounting), nothing of a master copy.
+    assert check.predicted == {
+        "params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi, "master": 0, "total": 16 * psi,
+    }  # fmt: skip
+    assert (check.strategy, check.world_size, check.precision) == ("ddp", 1, "fp32")
+
+
+def test_a_recipe_run_is_planned_from_its_run_config_even_with_a_model_record(tmp_path):
+    """Recipe runs now record the model too; their run_config.json still decides."""
+    from dpkit.plan.check import check_run
+
+    report = {
+        "strategy": "ddp", "world_size": 2, "precision": "fp32", "optimizer": "adamw",
+        "device": "cpu", "model": {"name": "a record the recipe branch never reads"},
+        "ranks": [{"rank": r, "params": 1.0, "grads": 1.0, "optimizer": 1.0, "master": 0.0,
+                   "model_state_total": 3.0} for r in range(2)],
+    }  # fmt: skip
+    (tmp_path / "memory_report.json").write_text(json.dumps(report))
+    workload = {"LMWorkload": {"size": "tiny", "seq_len": 32, "micro_batch_size": 2}}
+    (tmp_path / "run_config.json").write_text(json.dumps(workload))
+    assert check_run(tmp_path).model == "train_lm --size tiny"

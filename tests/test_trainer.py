@@ -489,7 +489,11 @@ def test_deepspeed_config_leaves_every_auto_the_trainer_fills():
             "deepspeed config '<dict>': train_batch_szie=8: not a DeepSpeed key (DeepSpeed "
             "would silently ignore it); did you mean train_batch_size?",
         ),
-        ("no/such/config.json", "deepspeed config 'no/such/config.json': no such file"),
+        (
+            "no/such/config.json",
+            "deepspeed_config(config=...)='no/such/config.json': no such file in the current "
+            "directory, and not one of dpkit's shipped configs (zero1.json, zero2.json)",
+        ),
     ],
 )
 def test_deepspeed_config_refuses_in_one_line(config, message):
