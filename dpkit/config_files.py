@@ -143,13 +143,14 @@ def export(folder: str | Path) -> list[Path]:
     copy's absolute path, so they work from any directory and can be edited. Refuses a
     folder that is a file or already holds one of these files (nothing is written then).
     """
+    given = str(folder)  # as the user wrote it, for the message
     folder = Path(folder).expanduser().resolve()
     if folder.exists() and not folder.is_dir():
-        raise UsageError(f"DIR={str(folder)!r}: is a file, not a folder")
+        raise UsageError(f"DIR={given!r}: is a file, not a folder")
     targets = {key: folder / Path(key).relative_to(SHIPPED_FOLDER) for key in shipped_configs()}
     taken = [str(target) for target in targets.values() if target.exists()]
     if taken:
-        raise UsageError(f"DIR={str(folder)!r}: already holds {taken[0]}; export into a new folder")
+        raise UsageError(f"DIR={given!r}: already holds {taken[0]}; export into a new folder")
     written = []
     for key, target in targets.items():
         text = shipped_configs()[key].read_text()

@@ -321,3 +321,27 @@ def test_a_recipe_run_is_planned_from_its_run_config_even_with_a_model_record(tm
     workload = {"LMWorkload": {"size": "tiny", "seq_len": 32, "micro_batch_size": 2}}
     (tmp_path / "run_config.json").write_text(json.dumps(workload))
     assert check_run(tmp_path).model == "train_lm --size tiny"
+
+
+def test_configs_export_writes_every_shipped_config_naming_its_copies(tmp_path):
+    """`dpkit configs export DIR`: the repository's ds_configs/ files, each YAML's
+    deepspeed_config_file the exported JSON's absolute path (usable from anywhere)."""
+    import yaml
+
+    from dpkit.cli import main
+
+    assert main(["configs", "export", str(tmp_path / "mine")]) == 0
+    exported = sorted(
+        str(p.relative_to(tmp_path / "mine")) for p in (tmp_path / "mine").rglob("*.*")
+    )
+    shipped = sorted(
+        str(p.relative_to(REPO / "ds_configs")) for p in (REPO / "ds_configs").rglob("*.*")
+    )
+    assert exported == shipped
+    for name in ("zero1", "zero2"):
+        config = yaml.safe_load((tmp_path / "mine" / "accelerate" / f"{name}.yaml").read_text())
+        named = Path(config["deepspeed_config"]["deepspeed_config_file"])
+        assert named == tmp_path / "mine" / f"{name}.json"
+        assert named.read_bytes() == (REPO / "ds_configs" / f"{name}.json").read_bytes()
+    ddp = (tmp_path / "mine" / "accelerate" / "ddp.yaml").read_text()
+    assert ddp == (REPO / "ds_configs" / "accelerate" / "ddp.yaml").read_text()
