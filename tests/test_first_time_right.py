@@ -104,34 +104,57 @@ def test_the_shipped_yaml_from_another_directory_runs_its_json(tmp_path, monkeyp
     assert len(said) == 1, resolution.notes
 
 
+# A script of the user's own that resolves its run and starts it (the process group, and
+# the run's notes logged), no model: enough to see which DeepSpeed JSON each rank runs.
+_RESOLVE_SCRIPT = """
+import dpkit
+from dpkit.models import ModelSizes
+run = dpkit.setup(model=ModelSizes(num_params=1000, hidden_size=8, largest_param_numel=64),
+                  micro_batch_size=2)
+run.accelerator.wait_for_everyone()
+print("resolved", run.strategy.name, run.resolution.settings.ds_config_path, flush=True)
+"""
+
+
 @pytest.mark.multiprocess
-def test_an_own_yaml_names_its_json_relative_to_itself(tmp_path):
-    """A real ``accelerate launch --config_file cfg/run.yaml`` from another folder: the
-    YAML's deepspeed_config_file (not a shipped name) is found beside the YAML."""
+@pytest.mark.parametrize("which", ["own", "shipped"])
+def test_a_yaml_from_another_folder_finds_its_json(which, tmp_path):
+    """A real ``accelerate launch --config_file YAML --num_processes 2 own.py`` from a
+    folder without ds_configs/: a user's YAML naming ``mine.json`` (not a shipped name)
+    finds it beside the YAML; the shipped zero2.yaml (``ds_configs/zero2.json``, a path
+    from the repository root) finds dpkit's copy of that file. Each said once."""
     cfg = tmp_path / "cfg"
     cfg.mkdir()
-    config = json.loads((REPO / "ds_configs/zero2.json").read_text())
-    (cfg / "mine.json").write_text(json.dumps(config))
-    shipped_yaml = (REPO / "ds_configs/accelerate/zero2.yaml").read_text()
-    (cfg / "run.yaml").write_text(shipped_yaml.replace("ds_configs/zero2.json", "mine.json"))
+    shipped_yaml = REPO / "ds_configs/accelerate/zero2.yaml"
+    if which == "own":
+        (cfg / "mine.json").write_text((REPO / "ds_configs/zero2.json").read_text())
+        (cfg / "run.yaml").write_text(
+            shipped_yaml.read_text().replace("ds_configs/zero2.json", "mine.json")
+        )
+        yaml_arg, note = "../cfg/run.yaml", "(relative to the YAML's folder)"
+    else:
+        yaml_arg, note = str(shipped_yaml), "using dpkit's copy"
     script = tmp_path / "own.py"
-    script.write_text(
-        "import dpkit\n"
-        "from dpkit.models import ModelSizes\n"
-        "run = dpkit.setup(model=ModelSizes(num_params=1000, hidden_size=8, "
-        "largest_param_numel=64), micro_batch_size=2)\n"
-        "print('resolved', run.strategy.name, run.resolution.settings.ds_config_path)\n"
-    )
+    script.write_text(_RESOLVE_SCRIPT)
     work = tmp_path / "work"
     work.mkdir()
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    cmd = [accelerate, "launch", "--config_file", "../cfg/run.yaml", "--num_processes", "2"]
+    cmd = [accelerate, "launch", "--config_file", yaml_arg, "--num_processes", "2", str(script)]
     result = subprocess.run(
-        [*cmd, str(script)], cwd=work, env=launch_env(), capture_output=True, text=True, timeout=300
+        cmd, cwd=work, env=launch_env(), capture_output=True, text=True, timeout=300
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    resolved = [line for line in result.stdout.splitlines() if line.startswith("resolved")]
-    assert resolved == [f"resolved zero2 {cfg / 'mine.json'}"] * 2, result.stdout[-3000:]
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    resolved = [line.split() for line in result.stdout.splitlines() if line.startswith("resolved")]
+    assert len(resolved) == 2 and resolved[0] == resolved[1], output[-3000:]
+    _, strategy, path = resolved[0]
+    assert strategy == "zero2"
+    if which == "own":
+        assert path == str(cfg / "mine.json")
+    else:  # the same bytes as the repository's ds_configs/zero2.json
+        assert Path(path).read_bytes() == (REPO / "ds_configs/zero2.json").read_bytes()
+    # Said once for the job, by the main process, when the run starts.
+    assert len([line for line in output.splitlines() if note in line]) == 1, output[-3000:]
 
 
 def test_a_malformed_deepspeed_json_is_refused_before_the_model_loads(tmp_path, warm_recipe):
