@@ -302,6 +302,17 @@ def load_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
     return model
 
 
+def meta_classifier(path: str, **kwargs: Any) -> Any:
+    """The sequence classifier ``from_pretrained(path, **kwargs)`` would load, on the meta
+    device (shapes and classes, no weights): what :func:`dpkit.setup` needs to resolve a
+    run before the weights are read."""
+    from transformers import AutoConfig
+
+    with quiet_transformers():
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    return build_meta_model(config, task="sequence_classification")
+
+
 def build_meta_model(
     config: Any, attn_implementation: str | None = None, task: str = "causal_lm"
 ) -> Any:

@@ -157,12 +157,27 @@ def test_a_yaml_from_another_folder_finds_its_json(which, tmp_path):
     assert len([line for line in output.splitlines() if note in line]) == 1, output[-3000:]
 
 
-def test_a_malformed_deepspeed_json_is_refused_before_the_model_loads(tmp_path, warm_recipe):
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param('{"train_batch_size": "auto",}', "not valid JSON", id="malformed"),
+        # The batch identity needs the flags and the world size, not the weights:
+        # micro-batch 16 x accumulation 1 x 1 process (ARGS_QUICK) is not 48.
+        pytest.param(
+            '{"train_batch_size": 48, "zero_optimization": {"stage": 2}}',
+            "train_batch_size=48 disagrees with the recipe's 16",
+            id="batch-identity",
+        ),
+    ],
+)
+def test_a_bad_deepspeed_json_is_refused_before_the_model_loads(
+    text, message, tmp_path, warm_recipe
+):
     bad = tmp_path / "bad.json"
-    bad.write_text('{"train_batch_size": "auto",}')
+    bad.write_text(text)
     out = tmp_path / "run"
     result = warm_recipe.run(*ARGS_QUICK, "--deepspeed", str(bad), "--output-dir", str(out))
-    assert_refused(result, f"deepspeed config {str(bad)!r}: not valid JSON", out, exit_code=2)
+    assert_refused(result, message, out, exit_code=2)
     # Loading the model logs its report (the table, or dpkit's line for a new head).
     assert "LOAD REPORT" not in result.output and "head (" not in result.output, result.output
 
