@@ -383,3 +383,22 @@ def test_configs_export_writes_every_shipped_config_naming_its_copies(tmp_path):
         assert named.read_bytes() == (REPO / "ds_configs" / f"{name}.json").read_bytes()
     ddp = (tmp_path / "mine" / "accelerate" / "ddp.yaml").read_text()
     assert ddp == (REPO / "ds_configs" / "accelerate" / "ddp.yaml").read_text()
+
+
+def test_the_trainer_recipe_refuses_a_bad_deepspeed_json_before_the_model_loads(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2},}')
+    result = subprocess.run(
+        [sys.executable, str(REPO / "recipes" / "trainer_finetune.py"), "--deepspeed", str(bad),
+         "--output_dir", str(tmp_path / "out")],
+        cwd=tmp_path, env=launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 2, output[-3000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        f"trainer_finetune.py: error: deepspeed config {str(bad)!r}: not valid JSON "
+        "(Expecting property name enclosed in double quotes: line 1 column 36 (char 35))"
+    ], output[-3000:]
+    assert "LOAD REPORT" not in output and "head (" not in output, output[-3000:]
+    assert not (tmp_path / "out").exists()
