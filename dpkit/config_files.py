@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,14 +103,13 @@ def find_config(named: str, source: str, *, beside: str | Path | None = None) ->
     raise UsageError(f"{source}={named!r}: no such file in {where}{shipped}")
 
 
-def launcher_yaml(
-    env: dict[str, str] | os._Environ, parent_argv: list[str] | None = None
-) -> Path | None:
+def launcher_yaml(env: Mapping[str, str], parent_argv: list[str] | None = None) -> Path | None:
     """The accelerate YAML this process was launched with (``accelerate launch
     --config_file X``), or None: no accelerate launch, no ``--config_file``, or a parent
     whose command line cannot be read (not Linux).
 
-    ``parent_argv``: the parent's command line (default: read from ``/proc``).
+    ``parent_argv``: the parent's command line (default: read from ``/proc``); it is
+    parsed with accelerate's own launch parser, so the script's own flags are not read.
     """
     if not any(key.startswith("ACCELERATE_") for key in env):  # no accelerate launch
         return None
@@ -122,19 +121,20 @@ def launcher_yaml(
         except OSError:
             return None
         parent_argv = [a.decode(errors="replace") for a in raw.split(b"\0") if a]
-    if not any(Path(arg).name in ("accelerate", "accelerate-launch") for arg in parent_argv[:3]):
+    names = [Path(arg).name for arg in parent_argv[:3]]
+    if "accelerate" not in names or "launch" not in parent_argv[:4]:
         return None  # the parent is another launcher (torchrun, deepspeed) or a shell
-    for i, arg in enumerate(parent_argv):
-        match = re.fullmatch(r"--config[_-]file(?:=(.*))?", arg)
-        if match is None:
-            continue
-        value = (
-            match.group(1)
-            if match.group(1) is not None
-            else (parent_argv[i + 1 : i + 2] or [None])[0]
+    from accelerate.commands.launch import launch_command_parser
+
+    try:
+        launch_args, _ = launch_command_parser().parse_known_args(
+            parent_argv[parent_argv.index("launch") + 1 :]
         )
-        return None if value is None else (parent_cwd / Path(value).expanduser()).resolve()
-    return None
+    except SystemExit:  # not a command line accelerate itself would have run
+        return None
+    if not launch_args.config_file:
+        return None
+    return (parent_cwd / Path(launch_args.config_file).expanduser()).resolve()
 
 
 def export(folder: str | Path) -> list[Path]:

@@ -69,6 +69,9 @@ def test_the_yaml_is_read_from_the_accelerate_command_line():
         "/c/d.yaml"
     )
     assert launcher_yaml(env, ["accelerate", "launch", "x.py"]) is None  # no --config_file
+    # The script's own --config_file is the script's (accelerate's parser reads the line).
+    own_flag = ["accelerate", "launch", "x.py", "--config_file", "/mine.yaml"]
+    assert launcher_yaml(env, own_flag) is None
     assert launcher_yaml({}, argv) is None  # not an accelerate launch
     torchrun = ["/venv/bin/torchrun", "--config_file", "/a/b/zero2.yaml", "own.py"]
     assert launcher_yaml(env, torchrun) is None  # another launcher's flag
@@ -107,12 +110,14 @@ def test_the_shipped_yaml_from_another_directory_runs_its_json(tmp_path, monkeyp
 # A script of the user's own that resolves its run and starts it (the process group, and
 # the run's notes logged), no model: enough to see which DeepSpeed JSON each rank runs.
 _RESOLVE_SCRIPT = """
+import os
 import dpkit
 from dpkit.models import ModelSizes
 run = dpkit.setup(model=ModelSizes(num_params=1000, hidden_size=8, largest_param_numel=64),
                   micro_batch_size=2)
 run.accelerator.wait_for_everyone()
-print("resolved", run.strategy.name, run.resolution.settings.ds_config_path, flush=True)
+line = f"resolved {run.strategy.name} {run.resolution.settings.ds_config_path}\\n"
+os.write(1, line.encode())  # one write: the two ranks' lines do not interleave
 """
 
 
@@ -155,6 +160,34 @@ def test_a_yaml_from_another_folder_finds_its_json(which, tmp_path):
         assert Path(path).read_bytes() == (REPO / "ds_configs/zero2.json").read_bytes()
     # Said once for the job, by the main process, when the run starts.
     assert len([line for line in output.splitlines() if note in line]) == 1, output[-3000:]
+
+
+@pytest.mark.multiprocess
+def test_a_yaml_naming_a_missing_json_is_one_line_naming_the_yaml(tmp_path):
+    """The same launch with a YAML whose deepspeed_config_file exists nowhere: one line
+    (rank 0's) naming the YAML, its key, the path and where it was looked for."""
+    cfg = tmp_path / "cfg"
+    cfg.mkdir()
+    shipped_yaml = (REPO / "ds_configs/accelerate/zero2.yaml").read_text()
+    (cfg / "run.yaml").write_text(shipped_yaml.replace("ds_configs/zero2.json", "missing.json"))
+    (tmp_path / "own.py").write_text(_RESOLVE_SCRIPT)
+    work = tmp_path / "work"
+    work.mkdir()
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    cmd = [accelerate, "launch", "--config_file", "../cfg/run.yaml", "--num_processes", "2"]
+    result = subprocess.run(
+        [*cmd, str(tmp_path / "own.py")],
+        cwd=work, env=launch_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode != 0, output[-3000:]
+    errors = [line for line in output.splitlines() if "own.py: error:" in line]
+    assert errors == [
+        f"own.py: error: {cfg / 'run.yaml'} deepspeed_config_file='missing.json': no such file "
+        f"in the current directory or {cfg}, and not one of dpkit's shipped configs "
+        "(zero1.json, zero2.json)"
+    ], output[-3000:]
+    assert "Traceback" not in result.stdout
 
 
 @pytest.mark.parametrize(
