@@ -9,7 +9,6 @@ repository, not from dpkit's packaged copies) and the exact lines a user sees.
 from __future__ import annotations
 
 import json
-import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -18,8 +17,6 @@ import pytest
 
 from dpkit.config_files import find_config, launcher_yaml
 from dpkit.errors import UsageError
-from dpkit.train.config import StrategyConfig
-from dpkit.train.launcher import read_launch
 from tests.harness import REPO, assert_refused, launch_env
 
 # What accelerate launch leaves in the environment for a DeepSpeed YAML (accelerate 1.15,
@@ -75,36 +72,6 @@ def test_the_yaml_is_read_from_the_accelerate_command_line():
     assert launcher_yaml({}, argv) is None  # not an accelerate launch
     torchrun = ["/venv/bin/torchrun", "--config_file", "/a/b/zero2.yaml", "own.py"]
     assert launcher_yaml(env, torchrun) is None  # another launcher's flag
-
-
-def test_a_yaml_path_found_nowhere_names_the_key(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    env = {**ACCELERATE_DS_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "conf/mine.json"}
-    with pytest.raises(UsageError) as refused:
-        read_launch(StrategyConfig(), env, on_cuda=False)
-    # pytest's parent is no accelerate launch: the YAML is unknown, the variable is named.
-    assert str(refused.value) == (
-        "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)='conf/mine.json': no such "
-        "file in the current directory, and not one of dpkit's shipped configs "
-        "(zero1.json, zero2.json)"
-    )
-
-
-def test_the_shipped_yaml_from_another_directory_runs_its_json(tmp_path, monkeypatch):
-    """What accelerate hands a script launched with ds_configs/accelerate/zero1.yaml from
-    outside the repository: the path as written, found as dpkit's copy, said once."""
-    from dpkit.models import ModelSizes
-    from dpkit.train.resolution import resolve
-
-    monkeypatch.chdir(tmp_path)
-    env = {**ACCELERATE_DS_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero1.json"}
-    launch = read_launch(StrategyConfig(), env, on_cuda=False)
-    assert launch.strategy.name == "zero1"  # the stage written in ds_configs/zero1.json
-    assert Path(launch.config_path).read_bytes() == (REPO / "ds_configs/zero1.json").read_bytes()
-    sizes = ModelSizes(num_params=1000, hidden_size=8, largest_param_numel=64)
-    resolution = resolve(model=sizes, micro_batch_size=2, env=env)
-    said = [note for note in resolution.notes if "ds_configs/zero1.json" in note]
-    assert len(said) == 1, resolution.notes
 
 
 # A script of the user's own that resolves its run and starts it (the process group, and
@@ -215,68 +182,6 @@ def test_a_bad_deepspeed_json_is_refused_before_the_model_loads(
     assert "LOAD REPORT" not in result.output and "head (" not in result.output, result.output
 
 
-def _tiny_bert(folder: Path, task: str) -> str:
-    import transformers
-
-    config = transformers.BertConfig(
-        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=32, max_position_embeddings=32,
-    )  # fmt: skip
-    getattr(transformers, task)(config).save_pretrained(folder)
-    return str(folder)
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@pytest.mark.parametrize(
-    ("checkpoint", "expected_head_line", "table_kept"),
-    [
-        # A backbone's weights only: the classifier head is new, as in every fine-tune.
-        ("BertModel", True, False),
-        # A masked-LM checkpoint: its cls.* head is unexpected here, worth the table.
-        ("BertForMaskedLM", False, True),
-    ],
-)
-def test_the_load_report_is_one_line_for_a_new_head(
-    checkpoint, expected_head_line, table_kept, tmp_path
-):
-    from transformers import BertForSequenceClassification
-
-    from dpkit.models import load_pretrained
-
-    path = _tiny_bert(tmp_path / checkpoint, checkpoint)
-    caught = {name: _Lines() for name in ("dpkit", "transformers.modeling_utils")}
-    for name, handler in caught.items():
-        logging.getLogger(name).addHandler(handler)
-    level = logging.getLogger("dpkit").level
-    logging.getLogger("dpkit").setLevel(logging.INFO)
-    try:
-        model = load_pretrained(BertForSequenceClassification, path, num_labels=3)
-    finally:
-        logging.getLogger("dpkit").setLevel(level)
-        for name, handler in caught.items():
-            logging.getLogger(name).removeHandler(handler)
-    assert model.classifier.out_features == 3
-    head_lines = [line for line in caught["dpkit"].lines if "head (" in line]
-    assert head_lines == (
-        [
-            "model: a new BertForSequenceClassification head (classifier.bias, "
-            "classifier.weight), initialised from the seed: expected when fine-tuning"
-        ]
-        if expected_head_line
-        else []
-    )
-    tables = [line for line in caught["transformers.modeling_utils"].lines if "LOAD REPORT" in line]
-    assert len(tables) == (1 if table_kept else 0)
-
-
 def test_the_callbacks_refusal_is_one_line_without_run_and_exit(monkeypatch, capsys):
     """A Trainer script as docs/trainer.md shows it, run by torchrun on a CPU machine
     without use_cpu=True: each rank trains alone. The Trainer calls the callback; the
@@ -376,22 +281,6 @@ def test_plan_against_a_run_of_an_own_api_script(tmp_path):
         "params": 4 * psi, "grads": 4 * psi, "optimizer": 8 * psi, "master": 0, "total": 16 * psi,
     }  # fmt: skip
     assert (check.strategy, check.world_size, check.precision) == ("ddp", 1, "fp32")
-
-
-def test_a_recipe_run_is_planned_from_its_run_config_even_with_a_model_record(tmp_path):
-    """Recipe runs now record the model too; their run_config.json still decides."""
-    from dpkit.plan.check import check_run
-
-    report = {
-        "strategy": "ddp", "world_size": 2, "precision": "fp32", "optimizer": "adamw",
-        "device": "cpu", "model": {"name": "a record the recipe branch never reads"},
-        "ranks": [{"rank": r, "params": 1.0, "grads": 1.0, "optimizer": 1.0, "master": 0.0,
-                   "model_state_total": 3.0} for r in range(2)],
-    }  # fmt: skip
-    (tmp_path / "memory_report.json").write_text(json.dumps(report))
-    workload = {"LMWorkload": {"size": "tiny", "seq_len": 32, "micro_batch_size": 2}}
-    (tmp_path / "run_config.json").write_text(json.dumps(workload))
-    assert check_run(tmp_path).model == "train_lm --size tiny"
 
 
 def test_configs_export_writes_every_shipped_config_naming_its_copies(tmp_path):
