@@ -182,30 +182,6 @@ def test_a_bad_deepspeed_json_is_refused_before_the_model_loads(
     assert "LOAD REPORT" not in result.output and "head (" not in result.output, result.output
 
 
-def test_the_callbacks_refusal_is_one_line_without_run_and_exit(monkeypatch, capsys):
-    """A Trainer script as docs/trainer.md shows it, run by torchrun on a CPU machine
-    without use_cpu=True: each rank trains alone. The Trainer calls the callback; the
-    user sees one line and exit code 2, not a traceback through the Trainer."""
-    from types import SimpleNamespace
-
-    from accelerate.state import PartialState
-
-    from dpkit.integrations.transformers import MemoryReportCallback
-
-    for key in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_CPU", "RANK"):
-        monkeypatch.delenv(key, raising=False)
-    PartialState(cpu=True)  # one process, as each unconnected rank is
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setattr(sys, "argv", ["train.py"])
-    with pytest.raises(SystemExit) as stopped:
-        MemoryReportCallback().on_init_end(SimpleNamespace(deepspeed=None), None, None)
-    assert stopped.value.code == 2
-    err = capsys.readouterr().err.splitlines()
-    assert len(err) == 1 and err[0].startswith(
-        "train.py: error: WORLD_SIZE=2: the launcher started 2 processes but each trains alone"
-    ), err
-
-
 def test_the_tune_winners_command_runs_without_the_virtualenv_on_path(tmp_path):
     """command.sh with PATH=/usr/bin:/bin (no virtualenv): it still starts the winner's
     launch. A flag the recipe refuses ends it at the recipe's argument parsing, so what

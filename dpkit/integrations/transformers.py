@@ -184,7 +184,7 @@ def deepspeed_config(
             return None
         source = "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
         # As written in the YAML accelerate was given: relative to it, if not to here.
-        yaml = None if Path(config).is_file() else launcher_yaml(os.environ)
+        yaml = launcher_yaml(os.environ)
         if yaml is not None:
             source, beside = f"{yaml} deepspeed_config_file", yaml.parent
     resolved, where = _read_config(config, source, beside)
