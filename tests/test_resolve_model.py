@@ -340,20 +340,23 @@ class _Lines(logging.Handler):
 
 
 @pytest.mark.parametrize(
-    ("checkpoint", "expected_head_line", "table_kept"),
+    ("checkpoint", "load_kwargs", "expected_head_line", "table_kept"),
     [
         # A backbone's weights only: the classifier head is new, as in every fine-tune.
-        ("BertModel", True, False),
+        ("BertModel", {}, True, False),
         # A masked-LM checkpoint: no pooler (a backbone weight missing), and its cls.*
         # head unexpected here: worth the table.
-        ("BertForMaskedLM", False, True),
+        ("BertForMaskedLM", {}, False, True),
         # A pre-training checkpoint: the whole backbone, pooler included, but its cls.*
         # heads are unexpected here: worth the table, though only the head is missing.
-        ("BertForPreTraining", False, True),
+        ("BertForPreTraining", {}, False, True),
+        # The backbone loaded into a larger vocabulary: the embedding is re-initialised
+        # (mismatched), worth the table, though only the head is missing.
+        ("BertModel", {"vocab_size": 80, "ignore_mismatched_sizes": True}, False, True),
     ],
 )
 def test_the_load_report_is_one_line_for_a_new_head(
-    checkpoint, expected_head_line, table_kept, tmp_path
+    checkpoint, load_kwargs, expected_head_line, table_kept, tmp_path
 ):
     from transformers import BertForSequenceClassification
 
@@ -366,7 +369,7 @@ def test_the_load_report_is_one_line_for_a_new_head(
     level = logging.getLogger("dpkit").level
     logging.getLogger("dpkit").setLevel(logging.INFO)
     try:
-        model = load_pretrained(BertForSequenceClassification, path, num_labels=3)
+        model = load_pretrained(BertForSequenceClassification, path, num_labels=3, **load_kwargs)
     finally:
         logging.getLogger("dpkit").setLevel(level)
         for name, handler in caught.items():
