@@ -1,4 +1,4 @@
-"""The ``dpkit`` command: ``dpkit data fetch``, ``plan``, ``bench``, ``tune``, ``consolidate``.
+"""The ``dpkit`` command: ``dpkit data fetch``, ``plan``, ``bench``, ``tune``, ``configs``, ``consolidate``.
 
 Each subcommand lives in its own module that provides ``add_arguments(parser)``
 and ``main(args) -> int``; modules are imported only when their command runs,
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 from dpkit.errors import EXIT_USAGE, UsageError
 
@@ -28,6 +29,10 @@ COMMANDS = {
         "dpkit.tune.cli",
         "the fastest strategy, micro-batch and ZeRO buckets that fit, by measuring",
     ),
+    "configs": (
+        "dpkit.config_files",
+        "export the shipped DeepSpeed JSONs and accelerate YAMLs into a folder, to edit",
+    ),
     "consolidate": (
         "dpkit.checkpoints.consolidate",
         "a dpkit or DeepSpeed ZeRO checkpoint to a Hugging Face model folder (fp32)",
@@ -35,10 +40,18 @@ COMMANDS = {
 }
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse prints its usage before an error; bad input here is one line, exit 2.
+    Subcommands' parsers are of the same class (``add_subparsers`` takes the parent's)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; only ``command``'s module is imported (so a missing optional
     dependency of one command does not break the others)."""
-    parser = argparse.ArgumentParser(prog="dpkit", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="dpkit", description=__doc__.splitlines()[0])
     subparsers = parser.add_subparsers(dest="command", required=True)
     for name, (module_name, help_text) in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)

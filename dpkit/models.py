@@ -252,6 +252,67 @@ def quiet_transformers() -> Iterator[None]:
         hf_logging.set_verbosity(verbosity)
 
 
+class _HeldRecords(logging.Filter):
+    """Holds back the records of a logger while installed (to be re-emitted or replaced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return False
+
+
+def load_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
+    """``model_class.from_pretrained(path, **kwargs)``, with transformers' load report
+    (an 8-line table) replaced by one line when all it says is expected of a fine-tune:
+    a task head missing from the checkpoint, newly initialised. Any other finding
+    (unexpected or resized weights, a missing backbone weight) keeps the table.
+
+    The report is a warning of ``transformers.modeling_utils``, logged once per job: on
+    the other ranks transformers' warnings are off (:func:`dpkit.train.run.log_once_per_job`).
+    """
+    model_logger = logging.getLogger("transformers.modeling_utils")
+    held = _HeldRecords()
+    model_logger.addFilter(held)
+    try:
+        model, info = model_class.from_pretrained(path, output_loading_info=True, **kwargs)
+    finally:
+        model_logger.removeFilter(held)
+    prefix = f"{model.base_model_prefix}."
+    missing = sorted(info.get("missing_keys") or ())
+    new_head = (
+        bool(missing)
+        and not info.get("unexpected_keys")
+        and not info.get("mismatched_keys")
+        and hasattr(model, model.base_model_prefix)  # a backbone under a task head
+        and not any(key.startswith(prefix) for key in missing)
+    )
+    for record in held.records:
+        if new_head and "LOAD REPORT" in record.getMessage():
+            continue
+        model_logger.handle(record)
+    if new_head:
+        logger.info(
+            "model: a new %s head (%s), initialised from the seed: expected when fine-tuning",
+            type(model).__name__,
+            ", ".join(missing),
+        )
+    return model
+
+
+def meta_classifier(path: str, **kwargs: Any) -> Any:
+    """The sequence classifier ``from_pretrained(path, **kwargs)`` would load, on the meta
+    device (shapes and classes, no weights): what :func:`dpkit.setup` needs to resolve a
+    run before the weights are read."""
+    from transformers import AutoConfig
+
+    with quiet_transformers():
+        config = AutoConfig.from_pretrained(path, **kwargs)
+    return build_meta_model(config, task="sequence_classification")
+
+
 def build_meta_model(
     config: Any, attn_implementation: str | None = None, task: str = "causal_lm"
 ) -> Any:

@@ -78,20 +78,25 @@ def main() -> None:
     splits = data_cfg.truncate(splits)
     resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
     tokenizer = models.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
-    set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
-    model = AutoModelForSequenceClassification.from_pretrained(
-        resume.path if resume else model_path,
+    load_from = resume.path if resume else model_path
+    load_kwargs = {
         **models.classifier_labels(label_names, tokenizer),
         **model_cfg.dropout_overrides(hf_config),
-    )
-    # The strategy, from the flags and the launcher; ZeRO's buckets sized to the model.
+    }
+    # The strategy, from the flags and the launcher; ZeRO's buckets sized to the model, whose
+    # shapes are enough (meta device): a bad JSON, batch or launcher stops before the weights load.
     run = dpkit.setup(
-        strategy_cfg, model=model, **train_cfg.run_settings(), output_dir=train_cfg.output_dir,
+        strategy_cfg, model=models.meta_classifier(load_from, **load_kwargs),
+        **train_cfg.run_settings(), output_dir=train_cfg.output_dir,
         configs=(model_cfg, data_cfg, train_cfg), resume=resume, tokenizer=tokenizer,
         step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps
         log_with=None if train_cfg.report_to == "none" else train_cfg.report_to,
     )  # fmt: skip
     schedule = train_cfg.schedule(len(splits["train"]), run.world_size)  # still no process group
+    set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
+    model = models.load_pretrained(  # from_pretrained; a new head said in one line
+        AutoModelForSequenceClassification, load_from, **load_kwargs
+    )
     accelerator = run.accelerator  # the process group starts here
     set_seed(train_cfg.seed, device_specific=True)  # dropout differs across ranks, as in a batch
     train_loader, validation, test = get_dataloaders(

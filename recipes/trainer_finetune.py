@@ -127,16 +127,16 @@ def main() -> None:
     splits, label_names = classification.load_data_splits(data_cfg)
     splits = data_cfg.truncate(splits)
     tokenizer = models.load_tokenizer(model_path, example.model, hf_config)
-    transformers.set_seed(training["seed"])
-    model = AutoModelForSequenceClassification.from_pretrained(
-        model_path,
-        **models.classifier_labels(label_names, tokenizer),
-    )
-
+    labels = models.classifier_labels(label_names, tokenizer)
     # The two dpkit lines for a Trainer: ZeRO's buckets sized to the model (the config
-    # from --deepspeed or from `accelerate launch`), and what a CPU run needs.
+    # from --deepspeed or from `accelerate launch`), and what a CPU run needs. The model's
+    # shapes are enough (meta device): a bad DeepSpeed config stops before the weights load.
     if example.zero_settings == "dpkit":
-        training["deepspeed"] = deepspeed_config(model, training["deepspeed"])
+        shapes = models.meta_classifier(model_path, **labels)
+        training["deepspeed"] = deepspeed_config(shapes, training["deepspeed"])
+    transformers.set_seed(training["seed"])
+    # from_pretrained, with the load report's table one line when all it says is a new head
+    model = models.load_pretrained(AutoModelForSequenceClassification, model_path, **labels)
     if example.cpu_arguments:
         training.update(device_arguments())
     args = TrainingArguments(**training)

@@ -81,3 +81,17 @@ def test_dropout_override_covers_every_dropout_field():
     overrides = ModelConfig(dropout=0.0).dropout_overrides(BertConfig())
     assert overrides == {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
     assert ModelConfig().dropout_overrides(BertConfig()) == {}
+
+
+def test_a_bad_deepspeed_json_is_refused_when_the_flags_are_parsed(capsys, tmp_path):
+    """parse_args reads the launch (dpkit.train.resolution.check_launch): a script that
+    parses its flags first refuses a broken --deepspeed file before loading its model."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"zero_optimization": {"stage": 2},}')
+    with pytest.raises(SystemExit) as exit_info:
+        parse_finetune_args(["--deepspeed", str(bad), "--output-dir", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.endswith(f"deepspeed config {str(bad)!r}: not valid JSON (Expecting property "
+                        "name enclosed in double quotes: line 1 column 36 (char 35))")  # fmt: skip

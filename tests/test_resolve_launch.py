@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from dpkit.errors import UsageError
+from dpkit.train.config import StrategyConfig
 from dpkit.train.launcher import (
     check_accelerate_settings,
     check_launcher,
@@ -494,3 +495,40 @@ def test_accelerate_without_a_backend_is_told_by_its_use_flags(flags, plain):
     assert uses_accelerate_without_backend({"ACCELERATE_DYNAMO_BACKEND": "NO", **flags}) is plain
     # Not accelerate at all (torchrun sets no ACCELERATE_DYNAMO_BACKEND).
     assert uses_accelerate_without_backend(flags) is False
+
+
+# --- config paths from any directory (dpkit.config_files, through the DeepSpeed engine) ---
+
+# What accelerate launch leaves in the environment for a DeepSpeed YAML (accelerate 1.15,
+# utils/launch.py): the YAML's deepspeed_config_file as written.
+ACCELERATE_DS_ENV = {"ACCELERATE_USE_DEEPSPEED": "true"}
+
+
+def test_a_yaml_path_found_nowhere_names_the_key(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    env = {**ACCELERATE_DS_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "conf/mine.json"}
+    with pytest.raises(UsageError) as refused:
+        read_launch(StrategyConfig(), env, on_cuda=False)
+    # pytest's parent is no accelerate launch: the YAML is unknown, the variable is named.
+    assert str(refused.value) == (
+        "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)='conf/mine.json': no such "
+        "file in the current directory, and not one of dpkit's shipped configs "
+        "(zero1.json, zero2.json)"
+    )
+
+
+def test_the_shipped_yaml_from_another_directory_runs_its_json(tmp_path, monkeypatch):
+    """What accelerate hands a script launched with ds_configs/accelerate/zero1.yaml from
+    outside the repository: the path as written, found as dpkit's copy, said once."""
+    from dpkit.models import ModelSizes
+    from dpkit.train.resolution import resolve
+
+    monkeypatch.chdir(tmp_path)
+    env = {**ACCELERATE_DS_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero1.json"}
+    launch = read_launch(StrategyConfig(), env, on_cuda=False)
+    assert launch.strategy.name == "zero1"  # the stage written in ds_configs/zero1.json
+    assert Path(launch.config_path).read_bytes() == (REPO / "ds_configs/zero1.json").read_bytes()
+    sizes = ModelSizes(num_params=1000, hidden_size=8, largest_param_numel=64)
+    resolution = resolve(model=sizes, micro_batch_size=2, env=env)
+    said = [note for note in resolution.notes if "ds_configs/zero1.json" in note]
+    assert len(said) == 1, resolution.notes

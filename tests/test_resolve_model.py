@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -320,3 +321,97 @@ def test_the_fused_devices_are_torchs_own_list_or_its_2_13_list(monkeypatch):
     monkeypatch.delattr(torch_optimizer, "_get_fused_kernels_supported_devices")
     # torch 2.13's list (torch/optim/optimizer.py), for a torch that hides it.
     assert _fused_adamw_devices() == ("cpu", "cuda", "mps", "xpu", "hpu")
+
+
+# --- transformers' load report (dpkit.models.load_pretrained) and the meta classifier ---
+
+
+def _tiny_bert(folder: Path, task: str) -> str:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=32, max_position_embeddings=32,
+    )  # fmt: skip
+    getattr(transformers, task)(config).save_pretrained(folder)
+    return str(folder)
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "load_kwargs", "expected_head_line", "table_kept"),
+    [
+        # A backbone's weights only: the classifier head is new, as in every fine-tune.
+        ("BertModel", {}, True, False),
+        # A masked-LM checkpoint: no pooler (a backbone weight missing), and its cls.*
+        # head unexpected here: worth the table.
+        ("BertForMaskedLM", {}, False, True),
+        # A pre-training checkpoint: the whole backbone, pooler included, but its cls.*
+        # heads are unexpected here: worth the table, though only the head is missing.
+        ("BertForPreTraining", {}, False, True),
+        # The backbone loaded into a larger vocabulary: the embedding is re-initialised
+        # (mismatched), worth the table, though only the head is missing.
+        ("BertModel", {"vocab_size": 80, "ignore_mismatched_sizes": True}, False, True),
+    ],
+)
+def test_the_load_report_is_one_line_for_a_new_head(
+    checkpoint, load_kwargs, expected_head_line, table_kept, tmp_path
+):
+    from transformers import BertForSequenceClassification
+
+    from dpkit.models import load_pretrained
+
+    path = _tiny_bert(tmp_path / checkpoint, checkpoint)
+    caught = {name: _Lines() for name in ("dpkit", "transformers.modeling_utils")}
+    for name, handler in caught.items():
+        logging.getLogger(name).addHandler(handler)
+    level = logging.getLogger("dpkit").level
+    logging.getLogger("dpkit").setLevel(logging.INFO)
+    try:
+        model = load_pretrained(BertForSequenceClassification, path, num_labels=3, **load_kwargs)
+    finally:
+        logging.getLogger("dpkit").setLevel(level)
+        for name, handler in caught.items():
+            logging.getLogger(name).removeHandler(handler)
+    assert model.classifier.out_features == 3
+    head_lines = [line for line in caught["dpkit"].lines if "head (" in line]
+    assert head_lines == (
+        [
+            "model: a new BertForSequenceClassification head (classifier.bias, "
+            "classifier.weight), initialised from the seed: expected when fine-tuning"
+        ]
+        if expected_head_line
+        else []
+    )
+    tables = [line for line in caught["transformers.modeling_utils"].lines if "LOAD REPORT" in line]
+    assert len(tables) == (1 if table_kept else 0)
+
+
+@pytest.mark.parametrize("labels", [2, 3])
+def test_the_meta_classifier_has_the_loaded_classifiers_sizes(labels, tmp_path):
+    """What setup sizes ZeRO's buckets by before the weights load: the same counts torch
+    takes of the classifier from_pretrained loads (a head of ``labels`` classes, dropout
+    overridden as --dropout does)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from dpkit.models import ModelSizes, meta_classifier
+
+    path = _tiny_bert(tmp_path / "bert", "BertModel")
+    kwargs = {"num_labels": labels, "hidden_dropout_prob": 0.0, "pad_token_id": 0}
+    loaded = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+    params = [p for p in loaded.parameters() if p.requires_grad]
+    expected = ModelSizes(
+        num_params=sum(p.numel() for p in params),
+        largest_param_numel=max(p.numel() for p in params),
+        hidden_size=16,  # _tiny_bert's
+    )
+    assert ModelSizes.of(meta_classifier(path, **kwargs)) == expected
+    assert next(meta_classifier(path, **kwargs).parameters()).device.type == "meta"

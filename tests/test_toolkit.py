@@ -173,10 +173,12 @@ def readme_example() -> str:
 
 @pytest.fixture(scope="module")
 def own_script(tmp_path_factory, wheel_env):
-    """The README example in a folder of its own, with data and a copy of ds_configs/, run
-    against the wheel as the README launches it (``torchrun --nproc_per_node 2 train.py
-    --strategy ...``) under DDP, ZeRO-2 and FSDP2 shard-grad-op, one launch each, with
-    ``MODEL`` the embedded MiniLM's folder."""
+    """The README example in a folder of its own with its data (no ds_configs/), run
+    against the wheel as the README launches it: ``torchrun --nproc_per_node 2 train.py
+    --strategy ...`` for DDP and FSDP2 shard-grad-op, and ZeRO-2 with the repository's
+    shipped YAML (``accelerate launch --config_file <checkout>/ds_configs/accelerate/
+    zero2.yaml``, whose ``ds_configs/zero2.json`` exists neither here nor beside the YAML:
+    the wheel's copy runs), one launch each, with ``MODEL`` the embedded MiniLM's folder."""
     folder = tmp_path_factory.mktemp("own_script")
     example = readme_example()
     assert f'os.environ.get("MODEL", "{README_MODEL}")' in example  # what MODEL replaces
@@ -186,29 +188,42 @@ def own_script(tmp_path_factory, wheel_env):
     with open(rotten_tomatoes_csv()) as source, open(folder / "reviews.csv", "w") as target:
         rows = list(csv.reader(source))[:193]  # the header and 192 reviews: 6 steps at 2 x 16
         csv.writer(target).writerows(rows)
-    shutil.copytree(REPO / "ds_configs", folder / "ds_configs")
     launches = {
         name: ["torchrun", "--nproc_per_node", "2", "--master_port", str(free_port()),
                "train.py", "--strategy", name]
         for name in OWN_SCRIPT_STRATEGIES
     }  # fmt: skip
+    launches["zero2"] = [
+        "accelerate", "launch", "--config_file", str(REPO / "ds_configs/accelerate/zero2.yaml"),
+        "--num_processes", "2", "--main_process_port", str(free_port()), "train.py",
+    ]  # fmt: skip
     results = {}
     for name, cmd in launches.items():
         out = folder / name
         out.mkdir()
         shutil.copy(folder / "train.py", out)
         shutil.copy(folder / "reviews.csv", out)
-        shutil.copytree(folder / "ds_configs", out / "ds_configs")
-        results[name] = (wheel_env.run(cmd, cwd=out, env={"MODEL": model_path}), out)
+        result = wheel_env.run(cmd, cwd=out, env={"MODEL": model_path})
+        # dpkit plan --against the script's own run, as the wheel's python -m dpkit runs it.
+        plan = wheel_env.run(["python", "-m", "dpkit", "plan", "--against", "out"], cwd=out)
+        results[name] = (result, out, plan)
     return results
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", OWN_SCRIPT_STRATEGIES)
 def test_readme_example_runs_against_the_wheel(own_script, name):
-    result, out = own_script[name]
+    result, out, plan = own_script[name]
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-5000:]
+    if name == "zero2":  # the shipped YAML's JSON, found as the wheel's copy, said once
+        found = [line for line in output.splitlines() if "using dpkit's copy" in line]
+        assert len(found) == 1 and "site-packages/dpkit/configs/deepspeed/zero2.json" in found[0]
+    # The plan of the run's own model and settings beside what it measured.
+    assert plan.returncode == 0, plan.stdout + plan.stderr
+    assert re.search(r"^total\s+[0-9.,]+\s+[0-9.,]+\s+[-+][0-9.]+%$", plan.stdout, re.M), (
+        plan.stdout
+    )
     strategy_lines = [line for line in output.splitlines() if "strategy=" in line]
     assert len(strategy_lines) == 1, output[-3000:]  # logged once, by the main process
     assert f"strategy={name}" in strategy_lines[0] and "world_size=2" in strategy_lines[0]
@@ -237,7 +252,7 @@ def test_readme_example_losses_agree_across_strategies(own_script):
     same model on the same batches, so their losses agree (measured here: equal to the 4
     printed decimals)."""
     losses = {}
-    for name, (result, _) in own_script.items():
+    for name, (result, _, _) in own_script.items():
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
         losses[name] = [
             float(m) for m in re.findall(r"step \d+: loss ([0-9.]+)", result.stdout + result.stderr)

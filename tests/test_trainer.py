@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -489,7 +490,11 @@ def test_deepspeed_config_leaves_every_auto_the_trainer_fills():
             "deepspeed config '<dict>': train_batch_szie=8: not a DeepSpeed key (DeepSpeed "
             "would silently ignore it); did you mean train_batch_size?",
         ),
-        ("no/such/config.json", "deepspeed config 'no/such/config.json': no such file"),
+        (
+            "no/such/config.json",
+            "deepspeed_config(config=...)='no/such/config.json': no such file in the current "
+            "directory, and not one of dpkit's shipped configs (zero1.json, zero2.json)",
+        ),
     ],
 )
 def test_deepspeed_config_refuses_in_one_line(config, message):
@@ -679,6 +684,26 @@ def test_check_trainer_run_refuses_deepspeed_asked_for_and_not_running(
         f"(accelerate DistributedType.NO); "
         f"{cause} pass TrainingArguments(use_cpu=True, ddp_backend='gloo')"
     )
+
+
+def test_the_callbacks_refusal_is_one_line_without_run_and_exit(no_launcher, capsys):
+    """A Trainer script as docs/trainer.md shows it, run by torchrun on a CPU machine
+    without use_cpu=True: each rank trains alone. The Trainer calls the callback; the
+    user sees one line and exit code 2, not a traceback through the Trainer."""
+    from types import SimpleNamespace
+
+    from dpkit.integrations.transformers import MemoryReportCallback
+
+    no_launcher.delenv("RANK", raising=False)
+    no_launcher.setenv("WORLD_SIZE", "2")  # PartialState is one process, as each such rank
+    no_launcher.setattr(sys, "argv", ["train.py"])
+    with pytest.raises(SystemExit) as stopped:
+        MemoryReportCallback().on_init_end(SimpleNamespace(deepspeed=None), None, None)
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and err[0].startswith(
+        "train.py: error: WORLD_SIZE=2: the launcher started 2 processes but each trains alone"
+    ), err
 
 
 def test_what_runs_is_read_from_the_prepared_model_and_optimizer():

@@ -14,6 +14,7 @@ fixture reaches to the first test that used it only.
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -694,3 +695,19 @@ def test_the_memory_callback_reports_the_last_step_once(tmp_path):
     callback.on_train_end(args, state, control)
     assert json.loads(report_file.read_text()) == {"marker": True}
     callback.on_train_end(args, state, control)  # the tracker is stopped: nothing more
+
+
+def test_a_recipe_run_is_planned_from_its_run_config_even_with_a_model_record(tmp_path):
+    """Recipe runs now record the model too; their run_config.json still decides."""
+    from dpkit.plan.check import check_run
+
+    report = {
+        "strategy": "ddp", "world_size": 2, "precision": "fp32", "optimizer": "adamw",
+        "device": "cpu", "model": {"name": "a record the recipe branch never reads"},
+        "ranks": [{"rank": r, "params": 1.0, "grads": 1.0, "optimizer": 1.0, "master": 0.0,
+                   "model_state_total": 3.0} for r in range(2)],
+    }  # fmt: skip
+    (tmp_path / "memory_report.json").write_text(json.dumps(report))
+    workload = {"LMWorkload": {"size": "tiny", "seq_len": 32, "micro_batch_size": 2}}
+    (tmp_path / "run_config.json").write_text(json.dumps(workload))
+    assert check_run(tmp_path).model == "train_lm --size tiny"

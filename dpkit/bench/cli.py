@@ -291,7 +291,10 @@ def main(args: argparse.Namespace) -> int:
     phases = launch.plan_phases(settings, out)
     env = launch.launch_env(settings)
     machine = machine_description(env)
-    command = "dpkit bench " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["bench"] else [])
+    # As run by this interpreter: the command works without the virtualenv on PATH.
+    command = f"{shlex.quote(sys.executable)} -m dpkit bench " + shlex.join(
+        sys.argv[2:] if sys.argv[1:2] == ["bench"] else []
+    )
     on = machine["cpu_model"] if settings["device"] == "cpu" else ", ".join(machine["gpus"])
     print(
         f"dpkit bench: {len(phases)} launches at {settings['nproc']} processes on "

@@ -129,8 +129,19 @@ def consolidate(checkpoint: Path, output_dir: Path, *, model: str | None, tag: s
 def main(args: argparse.Namespace) -> int:
     checkpoint = Path(args.checkpoint)
     output_dir = Path(args.output_dir)
+    from dpkit.train.output import check_output_dir
+
     if not checkpoint.is_dir():
         raise UsageError(f"checkpoint={args.checkpoint!r}: no such folder")
+    # A file, a folder that cannot be created or written; emptiness is checked below.
+    check_output_dir(args.output_dir, overwrite=True)
+    if (
+        output_dir.resolve() == checkpoint.resolve()
+        or checkpoint.resolve() in output_dir.resolve().parents
+    ):
+        raise UsageError(
+            f"--output-dir={args.output_dir!r}: inside the checkpoint it reads; choose another"
+        )
     if output_dir.exists() and any(output_dir.iterdir()) and not args.overwrite:
         raise UsageError(
             f"--output-dir={args.output_dir!r}: not empty; pass --overwrite or choose another"

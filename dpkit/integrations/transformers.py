@@ -54,11 +54,12 @@ from dpkit.engines.deepspeed.config import (
 from dpkit.engines.deepspeed.config_keys import check_ds_config_keys
 from dpkit.engines.deepspeed.settings import fill_zero_settings, zero_memory_settings
 from dpkit.errors import UsageError
-from dpkit.memory.tracker import MemoryTracker
+from dpkit.memory.tracker import MemoryTracker, model_record  # model_record: re-exported
 from dpkit.memory.walk import inner_torch_optimizer, unwrap_optimizer
 from dpkit.models import ModelSizes
 from dpkit.resources import metric_dir  # re-exported: a Trainer script's offline metrics
 from dpkit.strategy import Strategy
+from dpkit.train.guards import refuse_and_exit
 from dpkit.train.launcher import check_ranks_per_gpu, local_process_count
 from dpkit.train.phases import PHASES, StepPhases
 from dpkit.train.run import log_once_per_job  # re-exported: for a Trainer script's start
@@ -119,16 +120,29 @@ def device_arguments() -> dict[str, Any]:
     return {"use_cpu": True}  # one process: a backend would make accelerate expect a group
 
 
-def _read_config(config: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    """The config as a new dict, and what to call it in an error."""
+def _read_config(
+    config: str | Mapping[str, Any],
+    source: str = "deepspeed_config(config=...)",
+    beside: Path | None = None,
+) -> tuple[dict[str, Any], str]:
+    """The config as a new dict, and what to call it in an error; a path is found as
+    :func:`dpkit.config_files.find_config` finds it (here, or a shipped config's name),
+    a missing one refused naming ``source``."""
     if isinstance(config, Mapping):
         where = "<dict>"
         resolved = copy.deepcopy(dict(config))
         # The start of the message, as read_ds_config gives it for a file.
         check_ds_config_keys(resolved, f"deepspeed config {where!r}")
         return resolved, where
+    from dpkit.config_files import find_config
+
     shipped = isinstance(config, str) and resources.deepspeed_config(config).is_file()
     path = str(resources.deepspeed_config(config)) if shipped else str(config)
+    if not shipped:
+        found = find_config(path, source, beside=beside)
+        if found.note:
+            logger.info("dpkit: %s", found.note)
+        path = found.path
     return read_ds_config(path), path
 
 
@@ -161,11 +175,19 @@ def deepspeed_config(
             DeepSpeed would not run as written, or an ``"auto"`` neither dpkit nor the
             Trainer fills.
     """
+    from dpkit.config_files import launcher_yaml
+
+    source, beside = "deepspeed_config(config=...)", None
     if config is None:
         config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
         if config is None:
             return None
-    resolved, where = _read_config(config)
+        source = "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
+        # As written in the YAML accelerate was given: relative to it, if not to here.
+        yaml = launcher_yaml(os.environ)
+        if yaml is not None:
+            source, beside = f"{yaml} deepspeed_config_file", yaml.parent
+    resolved, where = _read_config(config, source, beside)
     stage = zero_stage_of(resolved, where)
     optimizer_offload(resolved, where)
     sizes = ModelSizes.of(model)
@@ -293,31 +315,6 @@ def optimizer_groups(optimizer: Any, strategy: Strategy) -> list[list[torch.nn.P
     return strategy.engine.optimizer_groups(optimizer)
 
 
-def model_record(
-    model: torch.nn.Module,
-    optimizer: Any,
-    micro_batch_size: int,
-    name: str | None = None,
-    gradient_accumulation_steps: int = 1,
-    strategy: Strategy | None = None,
-) -> dict[str, Any]:
-    """What ``dpkit plan --against`` needs of a Trainer run: the live model's layout
-    (:func:`dpkit.plan.inputs.spec_record`) with the optimizer's own groups."""
-    from dpkit.plan.inputs import spec_from_model, spec_record
-
-    config = getattr(model, "config", None)
-    name = name or getattr(config, "_name_or_path", "") or type(model).__name__
-    from dpkit.strategy import REFERENCE
-
-    groups = optimizer_groups(optimizer, strategy or REFERENCE)
-    spec = spec_from_model(name, "trainer", model, param_groups=groups)
-    record = spec_record(spec)
-    record["class"] = type(model).__name__
-    record["micro_batch_size"] = int(micro_batch_size)
-    record["gradient_accumulation_steps"] = int(gradient_accumulation_steps)
-    return record
-
-
 def _calling_trainer(callback: TrainerCallback) -> Any | None:
     """The ``Trainer`` whose callback handler is calling ``callback``.
 
@@ -412,8 +409,11 @@ class MemoryReportCallback(TrainerCallback):
     # --- Trainer events ---------------------------------------------------------------
 
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Refuse a run that is not the job the launcher started (before any step)."""
-        check_trainer_run(args)
+        """Refuse a run that is not the job the launcher started (before any step): one
+        line and exit 2, as a command line refuses, since the Trainer calls this and a
+        script following the docs has no ``run_and_exit`` around it."""
+        with refuse_and_exit():
+            check_trainer_run(args)
         self._trainer = _calling_trainer(self)
         _log_first(self, self._trainer)
 
@@ -431,7 +431,8 @@ class MemoryReportCallback(TrainerCallback):
 
         # Again here: a callback given with trainer.add_callback() after the Trainer was
         # built never saw on_init_end.
-        check_trainer_run(args)
+        with refuse_and_exit():
+            check_trainer_run(args)
         if self.tracker is not None:  # a second train() on the same Trainer
             self.tracker.stop()
             self.tracker = None
@@ -449,10 +450,11 @@ class MemoryReportCallback(TrainerCallback):
                 )
             return
         if _asked_for_deepspeed(args) and not strategy.engine.reads_config_file:
-            raise UsageError(
-                f"deepspeed={_describe_deepspeed(args)}: the run asked for DeepSpeed but "
-                f"trains with {type(unwrap_optimizer(optimizer)).__name__}"
-            )
+            with refuse_and_exit():
+                raise UsageError(
+                    f"deepspeed={_describe_deepspeed(args)}: the run asked for DeepSpeed but "
+                    f"trains with {type(unwrap_optimizer(optimizer)).__name__}"
+                )
         name = optimizer_name(optimizer)
         offload = strategy.engine.offload_in_effect(optimizer)
         self.tracker = MemoryTracker(

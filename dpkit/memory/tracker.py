@@ -199,6 +199,7 @@ class MemoryTracker:
         offload_optimizer: str | None = None,
         probe_steps: int = -1,
         count_activations: bool = True,
+        model_record: dict[str, Any] | None = None,
     ) -> None:
         """
         Args:
@@ -213,6 +214,8 @@ class MemoryTracker:
                 keep their high-waters; -1 every step; 0 installs no probes (a report then
                 sees only what is held when it is taken).
             count_activations: count the bytes autograd saves for backward.
+            model_record: the model as ``dpkit plan --against`` reads it
+                (:func:`model_record`), saved with the report; None: not recorded.
         """
         self.accelerator = accelerator
         self.model = model
@@ -222,6 +225,7 @@ class MemoryTracker:
         self.optimizer_name = optimizer_name
         self.offload_optimizer = offload_optimizer
         self.probe_steps = probe_steps
+        self.model_record = model_record
         self._steps_seen = 0
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
         self.probes = (
@@ -313,6 +317,7 @@ class MemoryTracker:
             param_shapes=(
                 param_shapes(self.model) if self.strategy.engine.report_param_shapes() else None
             ),
+            model=self.model_record,
         )
 
     def log_report(self, step: int | None = None) -> MemoryReport | None:
@@ -333,6 +338,33 @@ class MemoryTracker:
             logger.info("memory per rank\n%s", report.format_table())
             self.accelerator.log(report.tracker_scalars(), step=step)
         return report
+
+
+def model_record(
+    model: torch.nn.Module,
+    optimizer: Any,
+    micro_batch_size: int,
+    name: str | None = None,
+    gradient_accumulation_steps: int = 1,
+    strategy: Strategy | None = None,
+) -> dict[str, Any]:
+    """What ``dpkit plan --against`` needs of a run that is not one of dpkit's recipes
+    (a Trainer run, a script of the user's own): the live model's layout
+    (:func:`dpkit.plan.inputs.spec_record`) with the optimizer's own groups (the layout
+    ZeRO partitions), the micro-batch and the accumulation."""
+    from dpkit.plan.inputs import spec_from_model, spec_record
+
+    config = getattr(model, "config", None)
+    name = name or getattr(config, "_name_or_path", "") or type(model).__name__
+    from dpkit.strategy import REFERENCE
+
+    groups = (strategy or REFERENCE).engine.optimizer_groups(optimizer)
+    spec = spec_from_model(name, "trainer", model, param_groups=groups)
+    record = spec_record(spec)
+    record["class"] = type(model).__name__
+    record["micro_batch_size"] = int(micro_batch_size)
+    record["gradient_accumulation_steps"] = int(gradient_accumulation_steps)
+    return record
 
 
 def _is_main(accelerator: Any) -> bool:

@@ -141,10 +141,14 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     if not run_dir.is_dir():
         raise UsageError(f"--against={str(run_dir)!r}: no such run folder")
     report = _read_json(run_dir / "memory_report.json", "written at the end of every run")
-    if isinstance(report.get("model"), dict):  # a Trainer run: its report says it all
+    config_path = run_dir / "run_config.json"
+    config = _read_json(config_path, "") if config_path.is_file() else {}
+    from_recipe = ("ModelConfig" in config and "TrainConfig" in config) or "LMWorkload" in config
+    if isinstance(report.get("model"), dict) and not from_recipe:
+        # A Trainer run, or a script of the user's own (dpkit.setup): the report says it all.
         model_name, spec, micro_batch, seq_len = _trainer_model(report)
     else:
-        config = _read_json(run_dir / "run_config.json", "written at the start of every run")
+        config = _read_json(config_path, "written at the start of every run")
         model_name, spec, micro_batch, seq_len = recipe_model(
             config, f"--against={str(run_dir)!r}: run_config.json"
         )

@@ -104,8 +104,10 @@ class StrategyConfig:
         check_choice(self, "strategy", STRATEGY_CHOICES)
         if self.mixed_precision is not None:
             check_choice(self, "mixed_precision", PRECISION_CHOICES)
-        if self.deepspeed is not None and not Path(self.deepspeed).is_file():
-            raise UsageError(f"--deepspeed={self.deepspeed!r}: no such file")
+        if self.deepspeed is not None:
+            from dpkit.config_files import find_config
+
+            find_config(self.deepspeed, "--deepspeed")  # here, or a shipped config's name
         named = None if self.strategy == "auto" else get_strategy(self.strategy)
         if self.deepspeed is not None and named is not None and not named.engine.reads_config_file:
             raise UsageError(
@@ -149,7 +151,13 @@ def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
         _, remaining = parser.parse_known_args(args=argv)
         if remaining:
             raise _unknown_argument(remaining, config_classes)
-        return tuple(parser.parse_args_into_dataclasses(args=argv))
+        configs = tuple(parser.parse_args_into_dataclasses(args=argv))
+        from dpkit.train.resolution import check_launch
+
+        for cfg in configs:
+            if isinstance(cfg, StrategyConfig):
+                check_launch(cfg)  # a bad DeepSpeed JSON before the script loads its model
+        return configs
     except UsageError as err:
         if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
             print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)

@@ -59,6 +59,8 @@ class Launch:
     """That file as read, ``"auto"`` values still in it."""
     fsdp_layer_override: tuple[str, ...] = ()
     """FSDP2 layer classes the launcher named (``fsdp_transformer_layer_cls_to_wrap``)."""
+    notes: tuple[str, ...] = ()
+    """How a config file was found when not where it was named, for the run's log."""
 
 
 def uses_accelerate_without_backend(env: Mapping[str, str]) -> bool:
@@ -111,6 +113,7 @@ def read_launch(args: Any, env: Mapping[str, str], *, on_cuda: bool) -> Launch:
         config_path=launch.config_path,
         config_template=launch.config_template,
         fsdp_layer_override=launch.fsdp_layer_override,
+        notes=launch.notes,
     )
 
 

@@ -12,6 +12,7 @@ afterwards: :func:`dpkit.train.run.start` hands it to accelerate as it is.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Mapping
@@ -176,6 +177,8 @@ def resolve(
         fsdp_layer_override=args.fsdp_layer_class_names or launch.fsdp_layer_override,
     )
     settings = launch.strategy.engine.configure(launch.strategy, request)
+    if launch.notes:  # said once, with the engine's own notes, when the run starts
+        settings = dataclasses.replace(settings, notes=(*launch.notes, *settings.notes))
     return Resolution(
         strategy=launch.strategy,
         source=launch.source,
@@ -189,6 +192,20 @@ def resolve(
         settings=settings,
         learning_rate=learning_rate,
     )
+
+
+def check_launch(args: StrategyConfig, env: Mapping[str, str] | None = None) -> None:
+    """What can be checked of the launch before the model exists: the DeepSpeed JSON
+    (found, read, its keys and stage), the launcher against the flags, the precision.
+
+    :func:`dpkit.train.config.parse_args` calls it, so that a bad ``--deepspeed`` file is
+    refused before a script loads its model; :func:`resolve` does it all again with the
+    model.
+
+    Raises:
+        UsageError: one line, as :func:`resolve` would.
+    """
+    read_launch(args, os.environ if env is None else env, on_cuda=_cuda_available())
 
 
 def scaled_learning_rate(base_lr: float, rule: str, world_size: int, accumulation: int) -> float:

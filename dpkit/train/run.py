@@ -229,6 +229,8 @@ class Run:
         parameters is switched onto the shards (it must not have stepped yet).
         """
         from dpkit.checkpoints.checkpointer import Checkpointer, Position
+        from dpkit.memory.tracker import model_record
+        from dpkit.memory.walk import unwrap_module
 
         prepared = self.engine.prepare(self, objects)
         model = next((o for o in prepared if _is_module(o)), None)
@@ -253,7 +255,20 @@ class Run:
             self.position = self.checkpoints.restore(model, optimizer, scheduler, self.resume)
         else:
             self.position = Position()
-        self.memory = self.track_memory(model, optimizer, probe_steps=self.memory_probe_steps)
+        self.memory = self.track_memory(
+            model,
+            optimizer,
+            probe_steps=self.memory_probe_steps,
+            # What `dpkit plan --against` reads of a script of the user's own (a recipe's
+            # run_config.json names its model; a script's names only the strategy flags).
+            model_record=model_record(
+                unwrap_module(model),
+                optimizer,
+                self.resolution.micro_batch_size,
+                gradient_accumulation_steps=self.resolution.gradient_accumulation_steps,
+                strategy=self.strategy,
+            ),
+        )
         return prepared[0] if len(prepared) == 1 else prepared
 
     def _check(self, model: Any, optimizer: Any) -> RunInfo:

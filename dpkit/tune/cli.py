@@ -181,6 +181,9 @@ def main(args: argparse.Namespace) -> int:
     from dpkit.tune.run import run_tune
 
     config = config_from_args(args)
-    command = "dpkit tune " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["tune"] else [])
+    # As run by this interpreter: the command works without the virtualenv on PATH.
+    command = f"{shlex.quote(sys.executable)} -m dpkit tune " + shlex.join(
+        sys.argv[2:] if sys.argv[1:2] == ["tune"] else []
+    )
     results = run_tune(config, command=command)
     return 0 if results["winner"] is not None else 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -214,7 +215,9 @@ def write_winner(settings: TuneSettings, decision: Decision, out: Path) -> Path 
     yaml.replace(final)
     shutil.rmtree(where / "configs", ignore_errors=True)
     cmd = [
-        "accelerate", "launch",
+        # This interpreter's accelerate, by absolute path: a bare `accelerate` exits 127
+        # where the virtualenv is not on PATH.
+        sys.executable, "-m", "accelerate.commands.launch",
         "--config_file", str(final),
         "--num_processes", str(settings.nproc),
         *recipe_command(settings, trial.candidate),

@@ -70,16 +70,31 @@ class DeepSpeedEngine(Engine):
         """An accelerate DeepSpeed launch (its JSON, or dpkit's for its ``--zero_stage``) or a
         ``--deepspeed`` JSON; the two must agree on the stage, and ``--strategy`` with both."""
         from dpkit import resources
+        from dpkit.config_files import find_config, launcher_yaml
         from dpkit.engines.deepspeed.config import read_ds_config, zero_stage_of
         from dpkit.strategy import runnable_strategy
         from dpkit.train.launcher import Launch, uses_accelerate_without_backend
 
         launcher_path: str | None = None
         launcher_source = ""
+        notes: tuple[str, ...] = ()
         if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
             launcher_path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
             launcher_source = "accelerate launch (DeepSpeed)"
-            if launcher_path is None:
+            if launcher_path is not None:
+                # accelerate hands the script the YAML's deepspeed_config_file as written.
+                # Read only when the path is not found as named: it costs a look at the parent.
+                yaml = None if os.path.isfile(launcher_path) else launcher_yaml(env)
+                named_by = (
+                    f"{yaml} deepspeed_config_file"
+                    if yaml is not None
+                    else "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
+                )
+                found = find_config(
+                    launcher_path, named_by, beside=None if yaml is None else yaml.parent
+                )
+                launcher_path, notes = found.path, tuple(filter(None, [found.note]))
+            else:
                 stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
                 if stage not in (1, 2):
                     raise UsageError(
@@ -96,14 +111,17 @@ class DeepSpeedEngine(Engine):
                     "or the deepspeed launcher"
                 )
             if launcher_path is not None:
-                flag_stage = zero_stage_of(read_ds_config(flag), flag)
+                flag_path = find_config(flag, "--deepspeed").path
+                flag_stage = zero_stage_of(read_ds_config(flag_path), flag)
                 launcher_stage = zero_stage_of(read_ds_config(launcher_path), launcher_path)
                 if flag_stage != launcher_stage:
                     raise UsageError(
                         f"--deepspeed={flag!r} is ZeRO-{flag_stage} but {launcher_source} "
                         f"is ZeRO-{launcher_stage}: drop one of them"
                     )
-            launcher_path, launcher_source = flag, f"--deepspeed {flag}"
+            found = find_config(flag, "--deepspeed")
+            launcher_path, launcher_source = found.path, f"--deepspeed {flag}"
+            notes = tuple(filter(None, [found.note]))
         if launcher_path is None:
             return None
         template = read_ds_config(launcher_path)
@@ -122,7 +140,11 @@ class DeepSpeedEngine(Engine):
                 f"({launched.name}): drop one of them"
             )
         return Launch(
-            launched, launcher_source, config_path=launcher_path, config_template=template
+            launched,
+            launcher_source,
+            config_path=launcher_path,
+            config_template=template,
+            notes=notes,
         )
 
     def from_flag(self, strategy: Any, args: Any, env: Mapping[str, str]) -> Any:
