@@ -14,7 +14,8 @@ reached) are re-tested every time, since a test may have been added for them. Th
 run checks every mutant (see docs/testing.md for how long that takes).
 
 Exit status: 0 when the score reaches ``--target`` (0.90) and every survivor is either
-killed or explained; 1 otherwise, with the unexplained survivors' diffs in
+killed or explained; 2 when some mutants were not checked (a run stopped early: the
+table scores the checked ones); 1 otherwise, with the unexplained survivors' diffs in
 ``mutants/mutation-report.md``. ``--no-run`` reports on the last run only;
 ``PATTERN ...`` (mutmut's mutant-name globs, e.g. ``'dpkit.tune.decide*'``) re-tests
 every mutant of a part, and reports on that part.
@@ -141,7 +142,9 @@ def score(mutants: list[Mutant], equivalents: dict) -> dict:
     for mutant in mutants:
         counts = per_module[mutant.path]
         counts["total"] += 1
-        if mutant.status in KILLED:
+        if mutant.status == "not checked":  # a run stopped early: not in the score
+            counts["unchecked"] += 1
+        elif mutant.status in KILLED:
             counts["killed"] += 1
         elif mutant.key in equivalents:
             counts["equivalent"] += 1
@@ -153,20 +156,22 @@ def score(mutants: list[Mutant], equivalents: dict) -> dict:
 
 
 def ratio(counts: Counter) -> float:
-    judged = counts["total"] - counts["equivalent"]
+    judged = counts["total"] - counts["unchecked"] - counts["equivalent"]
     return counts["killed"] / judged if judged else 1.0
 
 
 def format_report(result: dict, stale: list) -> str:
     lines = [
-        "| module | mutants | killed | equivalent | surviving | score |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| module | mutants | checked | killed | equivalent | surviving | score |",
+        "|---|---:|---:|---:|---:|---:|---:|",
     ]
     rows = sorted(result["per_module"].items()) + [("all", result["total"])]
     for module, c in rows:
+        checked = c["total"] - c["unchecked"]
+        score = f"{100 * ratio(c):.1f}%" if checked > c["equivalent"] else "-"
         lines.append(
-            f"| {module} | {c['total']} | {c['killed']} | {c['equivalent']} | "
-            f"{c['surviving']} | {100 * ratio(c):.1f}% |"
+            f"| {module} | {c['total']:,} | {checked:,} | {c['killed']:,} | "
+            f"{c['equivalent']} | {c['surviving']} | {score} |"
         )
     for mutant in result["unexplained"]:
         lines += ["", f"### {mutant.name} ({mutant.status})", "```diff", mutant.diff, "```"]
@@ -194,10 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         from fnmatch import fnmatch
 
         mutants = [m for m in mutants if any(fnmatch(m.name, p) for p in args.patterns)]
-    unchecked = [m.name for m in mutants if m.status == "not checked"]
-    if unchecked:
-        print(f"{len(unchecked)} mutants not checked (mutmut stopped early: see its output)")
-        return 2
+    unchecked = sum(m.status == "not checked" for m in mutants)
     equivalents = read_equivalents()
     result = score(mutants, equivalents)
     present = {m.key for m in mutants}
@@ -211,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
         f"\nmutation score {100 * ratio(total):.1f}% (target {100 * args.target:.0f}%); "
         f"{len(result['unexplained'])} unexplained survivors; report: {REPORT.relative_to(REPO)}"
     )
+    if unchecked:
+        print(f"{unchecked:,} mutants not checked (the run stopped early): the score is partial")
+        return 2
     return 0 if ratio(total) >= args.target and not result["unexplained"] else 1
 
 

@@ -332,3 +332,63 @@ def test_ddp_skips_the_per_forward_buffer_broadcast_only_when_every_buffer_is_a_
     with_norm = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8))
     assert resolved(with_norm) is True
     assert resolved(llama_config) is True and resolved(_SIZES) is True
+
+
+# ---- the JSON as read: one-line refusals in full ----------------------------------------------
+
+
+def _read(tmp_path, text: str) -> tuple[str, dict | None]:
+    from dpkit.engines.deepspeed.config import read_ds_config
+
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    return str(path), read_ds_config(str(path))
+
+
+def test_a_key_given_twice_is_refused_naming_both_values(tmp_path):
+    path = str(tmp_path / "ds.json")
+    with pytest.raises(UsageError) as refused:
+        _read(tmp_path, '{"train_batch_size": 8, "train_batch_size": 16}')
+    assert str(refused.value) == (
+        f"deepspeed config {path!r}: train_batch_size=8 and train_batch_size=16: "
+        "the key is given twice; keep one"
+    )
+
+
+def test_a_json_that_is_not_an_object_or_has_an_unknown_key_is_refused(tmp_path):
+    path = str(tmp_path / "ds.json")
+    with pytest.raises(UsageError) as refused:
+        _read(tmp_path, "[1, 2]")
+    assert str(refused.value) == f"deepspeed config {path!r}: must be a JSON object"
+    with pytest.raises(UsageError) as refused:
+        _read(tmp_path, '{"train_batch_sise": 8}')
+    assert str(refused.value).startswith(f"deepspeed config {path!r}: train_batch_sise=8: ")
+
+
+def test_the_zero_stage_is_read_from_its_section_only():
+    from dpkit.engines.deepspeed.config import zero_stage_of
+
+    assert zero_stage_of({"zero_optimization": {"stage": 2}}, "z.json") == 2
+    for config in ({}, {"zero_optimization": 2}, {"zero_optimization": {"stage": 3}}):
+        stage = config.get("zero_optimization", {})
+        shown = stage.get("stage") if isinstance(stage, dict) else None
+        with pytest.raises(UsageError) as refused:
+            zero_stage_of(config, "z.json")
+        assert str(refused.value) == (
+            f"deepspeed config 'z.json': zero_optimization.stage={shown!r}; dpkit supports 1 and 2"
+        )
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_deepspeed_would_not_run_under_zero_1_or_2_is_refused(stage):
+    from dpkit.engines.deepspeed.config import optimizer_offload
+
+    assert optimizer_offload({}, "z.json") is None  # no ZeRO section: nothing offloaded
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu"}}
+    assert optimizer_offload({"zero_optimization": zero}, "z.json") == "cpu"
+    zero = {"stage": stage, "offload_param": {"device": "cpu"}}
+    with pytest.raises(UsageError, match=f"parameter offload is ZeRO-3's; under ZeRO-{stage} "):
+        optimizer_offload({"zero_optimization": zero}, "z.json")
+    zero = {"stage": stage, "offload_optimizer": {"device": "nvme"}}
+    with pytest.raises(UsageError, match=f"only under ZeRO-3; under ZeRO-{stage} it would run"):
+        optimizer_offload({"zero_optimization": zero}, "z.json")
