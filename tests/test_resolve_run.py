@@ -440,3 +440,20 @@ def test_on_cuda_fsdp2_refuses_fp16(cuda_machine):
 def test_an_unknown_lr_scaling_rule_is_refused_not_ignored(rule):
     with pytest.raises(UsageError, match=f"scale_lr={rule!r}: want 'none', 'linear' or 'sqrt'"):
         resolve(None, model=SIZES, micro_batch_size=2, learning_rate=1e-4, scale_lr=rule, env={})
+
+
+def test_check_launch_reads_the_env_it_is_given_and_whether_cuda_is_there(monkeypatch):
+    """parse_args' early check (before the model loads) is resolve's launch reading: the
+    launcher's environment as given, and fp16 only where CUDA is."""
+    from dpkit.train import resolution
+
+    asked = StrategyConfig(mixed_precision="no")
+    with pytest.raises(UsageError, match="conflicts with the launcher's mixed_precision=bf16"):
+        resolution.check_launch(asked, {"ACCELERATE_MIXED_PRECISION": "bf16"})
+    resolution.check_launch(asked, {})
+    fp16 = StrategyConfig(mixed_precision="fp16")
+    with pytest.raises(UsageError, match="fp16: needs a CUDA GPU"):
+        resolution.check_launch(fp16, {})
+    # Where torch sees a GPU (faked: this suite runs on CPU), fp16 passes the early check.
+    monkeypatch.setattr(resolution, "_cuda_available", lambda: True)
+    resolution.check_launch(fp16, {})
