@@ -63,11 +63,16 @@ bench-trainer: setup
 tune: setup
 	$(VENV)/bin/dpkit tune --output-dir tune_results/latest
 
+# The in-process tests on one worker per core (pytest-xdist, at most 4), then the real
+# launches one at a time: each of them already keeps every core busy.
+FAST_TESTS := -m "not multiprocess" -n auto --maxprocesses 4
+
 test: setup lint
-	$(PY) -m pytest -ra --durations=40 tests
+	$(PY) -m pytest -ra $(FAST_TESTS) tests
+	$(PY) -m pytest -ra --durations=40 -m multiprocess tests
 
 test-fast: setup
-	$(PY) -m pytest -ra -m "not multiprocess" tests
+	$(PY) -m pytest -ra $(FAST_TESTS) tests
 
 # Mutation testing of the modules whose mistakes are silent ([tool.mutmut] in pyproject.toml)
 # against the fast tests; prints the score per module, fails below 90% or on a survivor that

@@ -103,6 +103,28 @@ def find_config(named: str, source: str, *, beside: str | Path | None = None) ->
     raise UsageError(f"{source}={named!r}: no such file in {where}{shipped}")
 
 
+def accelerate_deepspeed_config(env: Mapping[str, str]) -> FoundConfig | None:
+    """The DeepSpeed JSON ``accelerate launch`` handed the script, or None when it named none.
+
+    accelerate passes the YAML's ``deepspeed_config_file`` as written
+    (``ACCELERATE_DEEPSPEED_CONFIG_FILE``): a path that is not found as named is looked
+    for beside the YAML (read from the launch command line, :func:`launcher_yaml`, only
+    then: it costs a look at the parent process) and as a shipped config's name.
+
+    Raises:
+        UsageError: one line naming the YAML (or the variable) and the path.
+    """
+    named = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
+    if named is None:
+        return None
+    if Path(named).expanduser().is_file():
+        return FoundConfig(named)
+    yaml = launcher_yaml(env)
+    if yaml is None:
+        return find_config(named, "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)")
+    return find_config(named, f"{yaml} deepspeed_config_file", beside=yaml.parent)
+
+
 def launcher_yaml(env: Mapping[str, str], parent_argv: list[str] | None = None) -> Path | None:
     """The accelerate YAML this process was launched with (``accelerate launch
     --config_file X``), or None: no accelerate launch, no ``--config_file``, or a parent

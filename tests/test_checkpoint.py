@@ -72,15 +72,16 @@ def test_resumed_run_equals_the_uninterrupted_one(reference, tmp_path, name):
     assert resumed.final("test")["accuracy"] == ref.final("test")["accuracy"]
 
 
+# ZeRO-2 from 2 to 4 processes and ZeRO-2 to DDP resume in
+# test_resume_restores_the_saved_optimizer_state_exactly, whose check (every Adam moment
+# bit for bit) is stronger than the loss trajectory's; one launch each, not two.
 @pytest.mark.parametrize(
     "source, strategy, nproc, args",
     [
         ("zero2_no_dropout", "zero2", 1, ["--micro-batch-size", "16"] + ["--gradient-accumulation-steps", "2"]),
-        ("zero2_no_dropout", "zero2", 4, ["--micro-batch-size", "8"]),
-        ("zero2", "ddp", 2, ["--micro-batch-size", "16"]),
         ("ddp", "zero2", 2, ["--micro-batch-size", "16"]),
     ],
-    ids=["zero2-2to1", "zero2-2to4", "zero2-to-ddp", "ddp-to-zero2"],
+    ids=["zero2-2to1", "ddp-to-zero2"],
 )  # fmt: skip
 def test_resume_across_world_sizes_and_strategies(
     reference, tmp_path, source, strategy, nproc, args

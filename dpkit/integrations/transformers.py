@@ -120,14 +120,10 @@ def device_arguments() -> dict[str, Any]:
     return {"use_cpu": True}  # one process: a backend would make accelerate expect a group
 
 
-def _read_config(
-    config: str | Mapping[str, Any],
-    source: str = "deepspeed_config(config=...)",
-    beside: Path | None = None,
-) -> tuple[dict[str, Any], str]:
+def _read_config(config: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
     """The config as a new dict, and what to call it in an error; a path is found as
     :func:`dpkit.config_files.find_config` finds it (here, or a shipped config's name),
-    a missing one refused naming ``source``."""
+    a missing one refused naming ``deepspeed_config(config=...)``."""
     if isinstance(config, Mapping):
         where = "<dict>"
         resolved = copy.deepcopy(dict(config))
@@ -139,7 +135,7 @@ def _read_config(
     shipped = isinstance(config, str) and resources.deepspeed_config(config).is_file()
     path = str(resources.deepspeed_config(config)) if shipped else str(config)
     if not shipped:
-        found = find_config(path, source, beside=beside)
+        found = find_config(path, "deepspeed_config(config=...)")
         if found.note:
             logger.info("dpkit: %s", found.note)
         path = found.path
@@ -175,19 +171,16 @@ def deepspeed_config(
             DeepSpeed would not run as written, or an ``"auto"`` neither dpkit nor the
             Trainer fills.
     """
-    from dpkit.config_files import launcher_yaml
+    from dpkit.config_files import accelerate_deepspeed_config
 
-    source, beside = "deepspeed_config(config=...)", None
     if config is None:
-        config = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
-        if config is None:
+        found = accelerate_deepspeed_config(os.environ)
+        if found is None:
             return None
-        source = "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
-        # As written in the YAML accelerate was given: relative to it, if not to here.
-        yaml = launcher_yaml(os.environ)
-        if yaml is not None:
-            source, beside = f"{yaml} deepspeed_config_file", yaml.parent
-    resolved, where = _read_config(config, source, beside)
+        if found.note:
+            logger.info("dpkit: %s", found.note)
+        config = found.path
+    resolved, where = _read_config(config)
     stage = zero_stage_of(resolved, where)
     optimizer_offload(resolved, where)
     sizes = ModelSizes.of(model)

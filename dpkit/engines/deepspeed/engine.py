@@ -70,7 +70,7 @@ class DeepSpeedEngine(Engine):
         """An accelerate DeepSpeed launch (its JSON, or dpkit's for its ``--zero_stage``) or a
         ``--deepspeed`` JSON; the two must agree on the stage, and ``--strategy`` with both."""
         from dpkit import resources
-        from dpkit.config_files import find_config, launcher_yaml
+        from dpkit.config_files import accelerate_deepspeed_config, find_config
         from dpkit.engines.deepspeed.config import read_ds_config, zero_stage_of
         from dpkit.strategy import runnable_strategy
         from dpkit.train.launcher import Launch, uses_accelerate_without_backend
@@ -79,20 +79,9 @@ class DeepSpeedEngine(Engine):
         launcher_source = ""
         notes: tuple[str, ...] = ()
         if env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
-            launcher_path = env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE") or None
             launcher_source = "accelerate launch (DeepSpeed)"
-            if launcher_path is not None:
-                # accelerate hands the script the YAML's deepspeed_config_file as written.
-                # Read only when the path is not found as named: it costs a look at the parent.
-                yaml = None if os.path.isfile(launcher_path) else launcher_yaml(env)
-                named_by = (
-                    f"{yaml} deepspeed_config_file"
-                    if yaml is not None
-                    else "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)"
-                )
-                found = find_config(
-                    launcher_path, named_by, beside=None if yaml is None else yaml.parent
-                )
+            found = accelerate_deepspeed_config(env)
+            if found is not None:
                 launcher_path, notes = found.path, tuple(filter(None, [found.note]))
             else:
                 stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
@@ -110,16 +99,15 @@ class DeepSpeedEngine(Engine):
                     "DeepSpeed: use --config_file ds_configs/accelerate/zero2.yaml (or zero1.yaml), "
                     "or the deepspeed launcher"
                 )
+            found = find_config(flag, "--deepspeed")
             if launcher_path is not None:
-                flag_path = find_config(flag, "--deepspeed").path
-                flag_stage = zero_stage_of(read_ds_config(flag_path), flag)
+                flag_stage = zero_stage_of(read_ds_config(found.path), flag)
                 launcher_stage = zero_stage_of(read_ds_config(launcher_path), launcher_path)
                 if flag_stage != launcher_stage:
                     raise UsageError(
                         f"--deepspeed={flag!r} is ZeRO-{flag_stage} but {launcher_source} "
                         f"is ZeRO-{launcher_stage}: drop one of them"
                     )
-            found = find_config(flag, "--deepspeed")
             launcher_path, launcher_source = found.path, f"--deepspeed {flag}"
             notes = tuple(filter(None, [found.note]))
         if launcher_path is None:
