@@ -86,7 +86,7 @@ def main() -> None:
     # The strategy, from the flags and the launcher; ZeRO's buckets sized to the model, whose
     # shapes are enough (meta device): a bad JSON, batch or launcher stops before the weights load.
     run = dpkit.setup(
-        strategy_cfg, model=models.meta_classifier(load_from, **load_kwargs),
+        strategy_cfg, model=models.meta_classifier(model_path, **load_kwargs),
         **train_cfg.run_settings(), output_dir=train_cfg.output_dir,
         configs=(model_cfg, data_cfg, train_cfg), resume=resume, tokenizer=tokenizer,
         step_scheduler_with_optimizer=False,  # our schedule counts optimizer steps

@@ -31,6 +31,7 @@ from tests.harness import (
     BIN,
     REPO,
     accelerate_cmd,
+    assert_refused,
     max_rel_diff,
     python_cmd,
     run,
@@ -263,6 +264,54 @@ def test_resume_refusals_name_the_problem(reference, tmp_path):
     path, state = resume.find_resume(str(step3(reference("zero2"))), str(empty))
     with pytest.raises(UsageError, match=r"written with global batch 32, this run's is 64"):
         resume.check_resumable(state, path, global_batch_size=64)
+
+
+def test_a_resume_into_another_model_or_label_set_is_refused_before_anything_starts(
+    reference, tmp_path
+):
+    """The checkpoint of MiniLM on Rotten Tomatoes (2 labels), resumed with --model naming
+    another model (before: the checkpoint's MiniLM trained under the other name, exit 0)
+    and with data of 3 labels (before: a 90-line traceback from from_pretrained). One
+    line naming both sides, exit 2, nothing written, no process group."""
+    import csv
+
+    from tests import local_models
+
+    ckpt = step3(reference("zero2"))
+    assert json.loads((ckpt / "trainer_state.json").read_text())["model"] == (
+        "sentence-transformers/all-MiniLM-L6-v2"  # the recipe's default --model, as named
+    )
+    other = local_models.build("roberta", tmp_path / "roberta")
+    batch = ["--micro-batch-size", "16", "--gradient-accumulation-steps", "2"]  # global 32
+    out = tmp_path / "run"
+    result = run(
+        python_cmd(*CK_RUN, *batch, "--model", str(other), "--resume", str(ckpt),
+                   "--output-dir", str(out)),
+    )  # fmt: skip
+    assert_refused(
+        result,
+        f"--resume={str(ckpt)!r}: the checkpoint was trained from "
+        f"'sentence-transformers/all-MiniLM-L6-v2', this run names {str(other)!r}",
+        out,
+        exit_code=2,
+    )
+    three = tmp_path / "three.csv"
+    with open(three, "w", newline="") as f:
+        rows = [("text", "label")] + [
+            (f"review {i}", ("neg", "mid", "pos")[i % 3]) for i in range(90)
+        ]
+        csv.writer(f).writerows(rows)
+    result = run(
+        python_cmd(*CK_RUN, *batch, "--dataset", str(three), "--resume", str(ckpt),
+                   "--output-dir", str(out)),
+    )  # fmt: skip
+    assert_refused(
+        result,
+        f"--resume={str(ckpt)!r}: the checkpoint classifies into 2 labels (rotten, fresh), "
+        "this run's data into 3 (mid, neg, pos)",
+        out,
+        exit_code=2,
+    )
 
 
 def test_dpkit_checkpoint_consolidates_to_its_model_files(reference, tmp_path):

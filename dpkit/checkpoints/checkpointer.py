@@ -116,8 +116,8 @@ def load_checkpoint(
 ) -> TrainerState:
     """Restore a checkpoint into prepared objects (after ``accelerator.prepare``).
 
-    The model must have been built from ``path`` itself (``from_pretrained``: the folder
-    is a Hugging Face model folder); this restores ZeRO's fp32 masters, the optimizer
+    This restores the weights (into a model built from any copy of the same model),
+    ZeRO's fp32 masters, the optimizer
     moments re-sharded for this run, the scheduler (if any), fp16's loss scale (when this
     run scales the loss and the checkpoint has one) and, when the world size is the same,
     every rank's RNG streams.
@@ -126,6 +126,10 @@ def load_checkpoint(
 
     state = TrainerState(**json.loads((path / "trainer_state.json").read_text()))
     weights = load_file(str(path / "model.safetensors"))
+    # The weights are the checkpoint's whatever the model was built from (a script of
+    # one's own may load the Hub model it started from); names and shapes were checked
+    # before the process group started (Resume.check).
+    engine.load_weights(accelerator, accelerator.unwrap_model(model), weights)
     engine.load_fp32_masters(accelerator, accelerator.unwrap_model(model), weights)
     saved_optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
     load_optimizer_state(engine, accelerator, model, optimizer, saved_optimizer)
@@ -211,6 +215,7 @@ class Checkpointer:
         keep_last: int = 0,
         tokenizer=None,
         enabled: bool = True,
+        model_name: str | None = None,
     ) -> None:
         """
         Args:
@@ -221,6 +226,8 @@ class Checkpointer:
             keep_last: keep only the newest N checkpoints (0: all).
             tokenizer: saved beside the weights (a checkpoint is a model folder).
             enabled: ``False`` (``--no-save-checkpoints``) writes nothing.
+            model_name: what the run trains from, as named; recorded with each
+                checkpoint so that a resume naming another model is refused.
         """
         self.run = run
         self.accelerator = run.accelerator
@@ -231,6 +238,7 @@ class Checkpointer:
         self.keep_last = keep_last
         self.tokenizer = tokenizer
         self.enabled = enabled
+        self.model_name = model_name
         self.last: Path | None = None
         """The newest complete checkpoint of this run (written, or resumed from)."""
 
@@ -277,6 +285,7 @@ class Checkpointer:
             samples_in_epoch=0 if epoch_done else position.batches_done * self._examples_per_batch,
             seed=self.seed,
             skipped_steps=position.skipped_steps,
+            model=self.model_name,
         )
         self.last = save_checkpoint(
             self.engine,

@@ -10,7 +10,7 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step-000120/``::
     rng.pt              every rank's RNG states (python, numpy, torch, cuda)
     loss_scale.json     fp16 only: the dynamic loss scale and its growth counters
     trainer_state.json  step, epoch, position in the epoch, batch layout, strategy,
-                        optimizer steps skipped for a gradient overflow
+                        optimizer steps skipped for a gradient overflow, the model's name
     manifest.json       every file above with its size and sha256 (written last)
 
 Saves are atomic (:mod:`dpkit.checkpoints.checkpointer`): everything is written into
@@ -57,6 +57,9 @@ class TrainerState:
     skipped_steps: int = 0
     """Of ``step``, the optimizer steps whose update was skipped for a gradient overflow
     (fp16). Checkpoints written before it was recorded read as 0."""
+    model: str | None = None
+    """The model the run trained from, as it was named (``--model``, or the folder or Hub
+    name ``from_pretrained`` was given); None: not known, or written by an older dpkit."""
 
     @classmethod
     def at(
@@ -68,6 +71,7 @@ class TrainerState:
         samples_in_epoch: int,
         seed: int,
         skipped_steps: int = 0,
+        model: str | None = None,
     ) -> TrainerState:
         """The state at ``step`` of the run that ``run_info`` (a strategy.RunInfo) describes."""
         return cls(
@@ -82,6 +86,7 @@ class TrainerState:
             strategy=run_info.strategy,
             precision=run_info.precision,
             seed=seed,
+            model=model,
         )
 
     def describe(self) -> str:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from dpkit.checkpoints.folder import CHECKPOINTS, TrainerState, list_checkpoints, verify_checkpoint
 from dpkit.errors import UsageError
@@ -15,9 +16,13 @@ class Resume(NamedTuple):
     path: Path
     state: TrainerState
 
-    def check(self, *, global_batch_size: int) -> None:
-        """Refuse what cannot be carried over (:func:`check_resumable`)."""
+    def check(
+        self, *, global_batch_size: int, model: Any = None, model_name: str | None = None
+    ) -> None:
+        """Refuse what cannot be carried over (:func:`check_resumable`) or is not the
+        checkpoint's model (:func:`check_same_model`)."""
         check_resumable(self.state, self.path, global_batch_size=global_batch_size)
+        check_same_model(self.state, self.path, model=model, model_name=model_name)
 
 
 def find_resume(resume: str | None, output_dir: str) -> Resume | None:
@@ -61,3 +66,129 @@ def carry_over_note(state: TrainerState, *, strategy: str, world_size: int) -> s
             "masks differ from an uninterrupted run)"
         )
     return "; ".join(parts)
+
+
+def model_name(model: Any, configs: tuple[Any, ...] = ()) -> str | None:
+    """What a run trains from, as the user named it: a flag dataclass's ``model`` field
+    (the recipes' ``--model``), else the name ``from_pretrained`` was given (the model's
+    config ``name_or_path``); a dpkit checkpoint folder stands for the model it was
+    trained from. None when neither says."""
+    named = next(
+        (cfg.model for cfg in configs if isinstance(getattr(cfg, "model", None), str)), None
+    )
+    if named is None:
+        config = getattr(model, "config", model)
+        named = getattr(config, "name_or_path", None) or None
+    if named is not None and (Path(named) / "trainer_state.json").is_file():
+        state = json.loads((Path(named) / "trainer_state.json").read_text())
+        return state.get("model")
+    return named
+
+
+def _same_name(recorded: str, current: str) -> bool:
+    if recorded == current:
+        return True
+    # One folder named two ways (relative, absolute, a symlink).
+    return (
+        Path(recorded).is_dir()
+        and Path(current).is_dir()
+        and (Path(recorded).resolve() == Path(current).resolve())
+    )
+
+
+def _labels(config: dict[str, Any]) -> list[str] | None:
+    id2label = config.get("id2label")
+    if not isinstance(id2label, dict):
+        return None
+    return [str(id2label[k]) for k in sorted(id2label, key=int)]
+
+
+def _config_dict(model: Any) -> dict[str, Any] | None:
+    config = getattr(model, "config", model)
+    to_dict = getattr(config, "to_dict", None)
+    return to_dict() if callable(to_dict) else None
+
+
+def _shape_differences(path: Path, model: Any) -> list[str]:
+    """Where the checkpoint's saved tensors and ``model``'s parameters disagree: names
+    one has and the other lacks, shapes that differ (read from the safetensors header,
+    nothing loaded). Tied parameters count once, under any of their names."""
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), framework="pt") as saved_file:
+        names = saved_file.keys()  # noqa: SIM118 (safe_open is not iterable)
+        saved = {name: list(saved_file.get_slice(name).get_shape()) for name in names}
+    aliases: dict[int, list[str]] = {}
+    shapes: dict[int, list[int]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(param), []).append(name)
+        shapes[id(param)] = list(param.shape)
+    known = {name for names in aliases.values() for name in names}
+    known |= {name for name, _ in model.named_buffers(remove_duplicate=False)}
+    differences = []
+    for key, names in aliases.items():
+        found = next((n for n in names if n in saved), None)
+        if found is None:
+            differences.append(f"{names[0]} is not in the checkpoint")
+        elif saved[found] != shapes[key]:
+            differences.append(
+                f"{found} is {saved[found]} in the checkpoint, {shapes[key]} in this model"
+            )
+    differences += [f"{name} is not in this model" for name in saved if name not in known]
+    return differences
+
+
+def check_same_model(
+    state: TrainerState, path: Path, *, model: Any = None, model_name: str | None = None
+) -> None:
+    """Refuse, before any process group, a resume into another model: another name than
+    the checkpoint was trained from (a resume trains the checkpoint's weights, whatever
+    the run names), another label set, other parameter names or shapes. Each message
+    names both sides.
+
+    Args:
+        model: the run's model (a module, possibly on the meta device, or its config).
+        model_name: what the run names its model (:func:`model_name`).
+    """
+    where = f"--resume={str(path)!r}"
+    if (
+        state.model is not None
+        and model_name is not None
+        and not _same_name(state.model, model_name)
+    ):
+        raise UsageError(
+            f"{where}: the checkpoint was trained from {state.model!r}, this run names "
+            f"{model_name!r}; resume with the checkpoint's model (a resume trains its weights)"
+        )
+    if model is None:
+        return
+    saved_config_path = path / "config.json"
+    saved_config = json.loads(saved_config_path.read_text()) if saved_config_path.is_file() else {}
+    run_config = _config_dict(model)
+    saved_labels = _labels(saved_config)
+    run_labels = _labels(run_config) if run_config is not None else None
+    if saved_labels is not None and run_labels is not None and saved_labels != run_labels:
+        raise UsageError(
+            f"{where}: the checkpoint classifies into {len(saved_labels)} labels "
+            f"({', '.join(saved_labels)}), this run's data into {len(run_labels)} "
+            f"({', '.join(run_labels)})"
+        )
+    for key in ("model_type", "vocab_size"):
+        if (
+            run_config is not None
+            and key in saved_config
+            and key in run_config
+            and saved_config[key] != run_config[key]
+        ):
+            raise UsageError(
+                f"{where}: the checkpoint's {key} is {saved_config[key]!r}, this run's "
+                f"model's is {run_config[key]!r}"
+            )
+    if hasattr(model, "named_parameters") and (path / "model.safetensors").is_file():
+        differences = _shape_differences(path, model)
+        if differences:
+            more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""
+            raise UsageError(
+                f"{where}: the checkpoint's parameters are not this model's: "
+                f"{'; '.join(differences[:3])}{more}"
+            )

@@ -331,6 +331,15 @@ class Engine:
         """Put whole moments by name back, as this rank's part of them."""
         raise NotImplementedError
 
+    def load_weights(self, accelerator: Any, module: Any, weights: dict) -> None:
+        """Set the module's parameters (and the buffers saved) to ``weights``: whole
+        tensors by name, the same on every rank. Tied parameters are saved once: the
+        names a checkpoint leaves out are set through the one it keeps."""
+        import torch
+
+        with torch.no_grad():
+            module.load_state_dict(weights, strict=False)
+
     def load_fp32_masters(self, accelerator: Any, module: Any, weights: dict) -> None:
         """Set the backend's own fp32 master copies exactly (where it keeps any)."""
 

@@ -111,6 +111,7 @@ class Run:
         keep_last: int = 0,
         save_checkpoints: bool = True,
         memory_probe_steps: int = 1,
+        model_name: str | None = None,
     ) -> None:
         self.resolution = resolution
         self._start_options = dict(start_options or {})
@@ -127,6 +128,8 @@ class Run:
         self.keep_last = keep_last
         self.save_checkpoints = save_checkpoints
         self.memory_probe_steps = memory_probe_steps
+        self.model_name = model_name
+        """What the run trains from, as named (recorded with each checkpoint)."""
         self.info: RunInfo | None = None
         """What runs, once :meth:`prepare` checked it."""
         self.memory: Any = None
@@ -251,6 +254,7 @@ class Run:
                 keep_last=self.keep_last,
                 tokenizer=self.tokenizer,
                 enabled=self.save_checkpoints,
+                model_name=self.model_name,
             )
             self.position = self.checkpoints.restore(model, optimizer, scheduler, self.resume)
         else:
@@ -589,14 +593,17 @@ def setup(
             ``memory_report.json``); None: nothing is written.
         configs: the script's other flag dataclasses, recorded in ``run_config.json``
             beside ``args`` and the launcher's environment.
-        resume: a checkpoint to continue (:func:`dpkit.checkpoints.resume.find_resume`);
-            its global batch must be this run's; :meth:`Run.prepare` restores it.
+        resume: a checkpoint to continue (:func:`dpkit.checkpoints.resume.find_resume`):
+            its global batch, model (as named), labels and parameter shapes must be this
+            run's (refused in one line otherwise); :meth:`Run.prepare` restores it, the
+            weights included, whatever ``model`` was loaded from.
         seed, tokenizer, keep_last, save_checkpoints: recorded with / saved beside each
             checkpoint; keep the newest ``keep_last`` (0: all); ``False`` writes none.
         data_seed: seed accelerate's sampler (the same shuffle on every strategy and world size).
         memory_probe_steps: probe the memory inside the first N optimizer steps (-1: all).
         step_scheduler_with_optimizer, log_with: accelerate's switches (its trackers).
     """
+    from dpkit.checkpoints.resume import model_name
     from dpkit.train.config import config_dict, parse_args
     from dpkit.train.guards import refuse_and_exit
 
@@ -614,8 +621,11 @@ def setup(
             scale_lr=scale_lr,
             weight_decay=weight_decay,
         )
+        name = model_name(model, configs)
         if resume is not None:
-            resume.check(global_batch_size=resolution.global_batch_size)
+            resume.check(
+                global_batch_size=resolution.global_batch_size, model=model, model_name=name
+            )
     return Run(
         resolution,
         start_options={
@@ -633,4 +643,5 @@ def setup(
         keep_last=keep_last,
         save_checkpoints=save_checkpoints,
         memory_probe_steps=memory_probe_steps,
+        model_name=name,
     )

@@ -50,6 +50,17 @@ def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> d
     }
 
 
+def load_weights(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """Whole weights by name (the same on every rank) into FSDP2's sharded parameters:
+    DCP keeps each rank's rows. Tied parameters are saved once (``strict=False``)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    reshard(module)
+    set_model_state_dict(
+        module, weights, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
+
+
 def load_moments(
     module: torch.nn.Module, optimizer: Any, moments: dict, step: torch.Tensor
 ) -> None:

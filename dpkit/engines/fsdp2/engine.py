@@ -298,6 +298,11 @@ class FSDP2Engine(Engine):
 
         checkpoint.load_moments(module, optimizer, moments, step)
 
+    def load_weights(self, accelerator: Any, module: Any, weights: dict) -> None:
+        from dpkit.engines.fsdp2 import checkpoint
+
+        checkpoint.load_weights(module, weights)
+
     # bench
     def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
         reshard = str(strategy.reshard_after_forward).lower()
