@@ -219,18 +219,20 @@ def _kernel_mode(device: str, autocast_dtype: Any = None) -> Any:
             torch.Tensor.softmax, torch.log_softmax, torch.Tensor.log_softmax, torch.pow,
             torch.Tensor.pow, torch.rsqrt, torch.exp, torch.sum, torch.cumsum, torch.norm,
         }  # fmt: skip
-    weight_copies: dict[int, Any] = {}  # autocast's cache: one copy per weight per forward
+    copies: dict[int, Any] = {}  # autocast's cache: one copy per weight per forward
 
     def cast(value: Any, dtype: Any) -> Any:
         if not (torch.is_tensor(value) and value.is_floating_point()) or value.dtype == dtype:
             return value
         if value.is_leaf and value.requires_grad:
-            if id(value) not in weight_copies:
-                weight_copies[id(value)] = value.to(dtype)
-            return weight_copies[id(value)]
+            if id(value) not in copies:
+                copies[id(value)] = value.to(dtype)
+            return copies[id(value)]
         return value.to(dtype)
 
     class Kernels(TorchFunctionMode):
+        weight_copies = copies  # what the trace sets apart as a part of its own
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             if autocast_dtype is not None and (func in lower or func in fp32):
@@ -288,6 +290,7 @@ def _trace_once(
     per_layer = [0.0] * len(layers)
     layer_inputs = [0.0] * len(layers)
     state = {"layer": -1, "outside": 0.0}
+    where: dict[int, tuple[int, float]] = {}  # storage -> (layer or -1, bytes)
 
     def pack(tensor: Any) -> Any:
         key = tensor.untyped_storage()._cdata
@@ -296,6 +299,7 @@ def _trace_once(
         ):  # each storage once; weights are model states
             seen.add(key)
             nbytes = float(tensor.untyped_storage().nbytes())
+            where[key] = (state["layer"], nbytes)
             if state["layer"] >= 0:
                 per_layer[state["layer"]] += nbytes
             else:
@@ -325,16 +329,28 @@ def _trace_once(
     labels = _trace_labels(model, micro_batch, seq_len)
     if labels is not None:
         kwargs["labels"] = labels
+    kernels = _kernel_mode(device, autocast_dtype)
     try:
         with (
             quiet_transformers(),
-            _kernel_mode(device, autocast_dtype),
+            kernels,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
             output = model(**kwargs)
     finally:
         for handle in handles:
             handle.remove()
+    # Autocast's weight copies, a part of their own: they do not grow with the batch.
+    weight_copies = 0.0
+    for copy in kernels.weight_copies.values():
+        layer, nbytes = where.pop(copy.untyped_storage()._cdata, (None, 0.0))
+        if layer is None:
+            continue  # cast but not saved (a bias)
+        weight_copies += nbytes
+        if layer >= 0:
+            per_layer[layer] -= nbytes
+        else:
+            state["outside"] -= nbytes
     logits = getattr(output, "logits", None)
     logits_bytes = float(logits.numel() * logits.element_size()) if labels is not None else 0.0
     return {
@@ -343,6 +359,7 @@ def _trace_once(
         "layer_inputs": layer_inputs,
         "logits_elements": float(logits.numel()) if logits_bytes else 0.0,
         "logits_bytes": logits_bytes,
+        "weight_copies": weight_copies,
     }
 
 
@@ -371,6 +388,8 @@ def _profile_from_traces(
             parts["one_layer"] = max(trace["layers"], default=0.0)
         else:
             parts["layers"] = sum(trace["layers"])
+        if autocast_dtype is not None:
+            parts["autocast_weight_copies"] = trace["weight_copies"]
         if trace["logits_bytes"]:
             # At the start of backward, beside everything saved: the logits the model
             # returned, and cross-entropy's two fp32 gradients (of the log-probabilities,
