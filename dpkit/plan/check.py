@@ -115,6 +115,13 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
     if "ModelConfig" in config and "TrainConfig" in config:  # recipes/finetune.py
         name = config["ModelConfig"]["model"]
         spec = load_model(name, task="sequence_classification")
+        dropout = config["ModelConfig"].get("dropout")
+        if dropout is not None and spec.config is not None:
+            # --dropout set every dropout field of the run's model (ModelConfig.
+            # dropout_overrides); the activations saved depend on it (masks, kernels).
+            for key, value in spec.config.to_dict().items():
+                if "dropout" in key and isinstance(value, float):
+                    setattr(spec.config, key, float(dropout))
         micro_batch = int(config["TrainConfig"]["micro_batch_size"])
         # Runs from before max_seq_length was recorded: the recipe's default, within the
         # model's positions (model states do not depend on it).
