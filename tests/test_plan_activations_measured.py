@@ -240,3 +240,31 @@ def test_ddp_autocast_premium_over_16_bit_weights(model_name):
     )
     assert measured > 0
     assert abs(premium - measured) <= ACTIVATION_TOLERANCE * measured, (premium, measured)
+
+
+def test_against_plans_for_the_batch_of_the_largest_ranks_high_water():
+    """A report whose rank 1 saved the most, at 16 x 56 tokens, in a run allowing 128:
+    the plan is for 16 x 56, and says whose and why; a report without batch shapes
+    (written before they were recorded) is planned at 16 x 128 and called a worst case."""
+    from dpkit.plan import check
+
+    def shapes(seq_len: int) -> dict:
+        return {
+            "micro_batch_at_high_water": 16, "seq_len_at_high_water": seq_len,
+            "seq_len_min": 24, "seq_len_mean": 41.5, "seq_len_max": seq_len, "forwards": 6,
+        }  # fmt: skip
+
+    report = {
+        "ranks": [
+            {"rank": 0, "activations": 5e6, "activation_batch": shapes(40)},
+            {"rank": 1, "activations": 7e6, "activation_batch": shapes(56)},
+        ]
+    }
+    micro_batch, seq_len, why = check._measured_batch(report, 16, 128)
+    assert (micro_batch, seq_len) == (16, 56)
+    assert why.startswith("micro-batch 16 x 56 tokens: the batch of rank 1's activation")
+    assert "24-56 tokens, mean 41.5, over 6 forwards; longest allowed 128" in why
+    old = {"ranks": [{"rank": 0, "activations": 5e6}, {"rank": 1, "activations": 7e6}]}
+    micro_batch, seq_len, why = check._measured_batch(old, 16, 128)
+    assert (micro_batch, seq_len) == (16, 128)
+    assert why.endswith("a worst case")
