@@ -319,14 +319,23 @@ def build_meta_model(
     """The model for ``config`` on the meta device: shapes and code, no memory, no weights.
 
     ``task`` picks the head: ``causal_lm`` (the bare model where the config has no
-    causal-LM class) or ``sequence_classification`` (``recipes/finetune.py``'s model).
+    causal-LM class), ``sequence_classification`` (``recipes/finetune.py``'s model), or
+    the name of a transformers model class (``BertForTokenClassification``: the class a
+    run trained, as its memory report records it).
     """
+    import transformers
     from accelerate import init_empty_weights
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    named_class = None if task in ("causal_lm", "sequence_classification") else task
+    model_class = getattr(transformers, named_class, None) if named_class else None
+    if named_class and not hasattr(model_class, "_from_config"):
+        raise UsageError(f"task={task!r}: not a transformers model class")
     with quiet_transformers(), init_empty_weights():
-        if task == "sequence_classification":
+        if model_class is not None:
+            model = model_class._from_config(config, **kwargs)
+        elif task == "sequence_classification":
             model = AutoModelForSequenceClassification.from_config(config, **kwargs)
         else:
             try:

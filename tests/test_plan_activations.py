@@ -1,7 +1,7 @@
 """The activation arithmetic of ``dpkit plan`` pinned term by term (the formula and the trace).
 
-Known to be off against measured runs (issue #30, up to 6.8x); these tests do not say the
-figures are right, only that they are the ones the code documents: Korthikanti et al.
+Whether the figures are right is tests/test_plan_activations_measured.py's job (the trace
+against dpkit's probes on real forwards, issue #30); these tests pin the ones the code documents: Korthikanti et al.
 2022's per-layer terms, generalised one flag at a time, and a meta-device trace whose
 parts add up to what a real forward saves. A change to either shows here first.
 

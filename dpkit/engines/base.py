@@ -283,6 +283,13 @@ class Engine:
         """What the backend adds to the bytes saved for backward (autocast's weight copies)."""
         return {}
 
+    def activations_under_autocast(self, strategy: Strategy, precision: str) -> bool:
+        """Whether the forward runs under torch autocast over fp32 weights (the plan then
+        uses the trace made under autocast, which holds the weight copies
+        :meth:`activation_extras` would add); False where the backend casts the weights
+        themselves to 16 bits."""
+        return False
+
     def host_bytes(self, strategy: Strategy, num_params: float, world_size: int) -> float:
         """Host bytes per GPU beyond the offloaded model states (offload's fp32 gradients)."""
         return 0.0

@@ -48,8 +48,15 @@ class _SavedActivations:
         self._context: contextlib.AbstractContextManager | None = None
         self.param_storages: Any = lambda module: set()
         """The engine's: storage keys a module holds as parameters beside its own."""
+        self._batch_shape: tuple[int, int] | None = None
+        self.high_water_batch: tuple[int, int] | None = None
+        """(micro-batch, sequence length) of the forward that saved the most."""
+        self.seq_lens: list[int] = []
+        """The padded sequence length of every counted forward (dynamic padding makes
+        most batches shorter than the longest allowed)."""
         self._handles = [
             model.register_forward_pre_hook(self._begin),
+            model.register_forward_pre_hook(self._note_batch, with_kwargs=True),
             model.register_forward_hook(self._end, always_call=True),
         ]
 
@@ -84,12 +91,39 @@ class _SavedActivations:
         self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._context.__enter__()
 
+    def _note_batch(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        """The (batch, sequence) shape of a counted forward's token ids."""
+        if self._context is None:
+            return
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        self._batch_shape = None
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2:
+            self._batch_shape = (int(ids.shape[0]), int(ids.shape[1]))
+            self.seq_lens.append(self._batch_shape[1])
+
+    def batch_record(self) -> dict[str, Any] | None:
+        """The batch shapes the count saw, for the memory report (None if none had token
+        ids): the shape at the high-water, and the sequence lengths over the run."""
+        if not self.seq_lens:
+            return None
+        batch = self.high_water_batch
+        return {
+            "micro_batch_at_high_water": batch[0] if batch else None,
+            "seq_len_at_high_water": batch[1] if batch else None,
+            "seq_len_min": min(self.seq_lens),
+            "seq_len_mean": sum(self.seq_lens) / len(self.seq_lens),
+            "seq_len_max": max(self.seq_lens),
+            "forwards": len(self.seq_lens),
+        }
+
     def _end(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if self._context is None:
             return
         self._context.__exit__(None, None, None)
         self._context = None
         self.last = self._bytes
+        if self._bytes >= self.high_water or self.high_water_batch is None:
+            self.high_water_batch = self._batch_shape
         self.high_water = max(self.high_water, self._bytes)
         self._seen.clear()
 
@@ -194,6 +228,8 @@ class StepProbes:
         self.bucket_flat_copy_bytes = 0.0
         if self.activations is not None:
             self.activations.high_water = 0.0
+            self.activations.high_water_batch = None
+            self.activations.seq_lens.clear()
 
     @property
     def installed(self) -> bool:

@@ -144,6 +144,8 @@ def measure_rank(
     row["largest_moment"] = dict(probes.largest_moment) if probes is not None else {}
     activations = getattr(probes, "activations", None) if probes is not None else None
     row["activations"] = activations.high_water if activations is not None else None
+    # The batch shapes behind that figure: dpkit plan --against plans for the high-water's.
+    row["activation_batch"] = activations.batch_record() if activations is not None else None
     row["probe_seconds"] = probes.probe_seconds if probes is not None else 0.0
     # False once MemoryTracker.step_done took them off: later steps ran without them.
     row["probes_in_place"] = probes is not None and probes.installed

@@ -11,7 +11,7 @@ importing this module stays cheap.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dpkit.errors import UsageError
@@ -78,21 +78,35 @@ class ActivationProfile:
     larger batches copy, so it is not on the line."""
     note: str = ""
     """Why the formula was used where a trace was asked for."""
+    under_autocast: ActivationProfile | None = None
+    """The same model under torch autocast over fp32 weights (DDP's mixed precision:
+    16-bit matmuls, fp32 residual stream, each weight's 16-bit copy saved), where the
+    trace made one; the profile itself is the model with 16-bit weights (DeepSpeed,
+    FSDP2). None in fp32 and for the formula."""
 
     def parts(self, micro_batch: int) -> dict[str, float]:
+        """Bytes by part at ``micro_batch``."""
         if micro_batch == 1:
             return dict(self.at_one)
         return {k: self.fixed.get(k, 0.0) + v * micro_batch for k, v in self.per_sample.items()}
 
     def at(self, micro_batch: int) -> float:
+        """All parts at ``micro_batch``."""
         return sum(self.parts(micro_batch).values())
+
+
+def saved_bytes(parts: dict[str, float]) -> float:
+    """What the memory report measures of ``parts``: the bytes saved for backward. The
+    logits peak (the loss's gradients at the start of backward) is never a saved tensor."""
+    return sum(v for k, v in parts.items() if k != "logits_peak")
 
 
 def _logits_peak_per_sample(spec: ModelSpec, seq_len: int, act_bytes: int) -> float:
     # At the start of backward, beside everything saved: the logits the model
     # returned (activation dtype), and cross-entropy's two fp32 gradients (of
     # the log-probabilities, then of the upcast logits). The log-probabilities
-    # themselves are saved tensors, counted with the rest.
+    # themselves are saved tensors, counted with the rest. The formula assumes an
+    # LM head (the trace measures the head the model has).
     vocab = spec.shape("vocab_size", default=0) or 0
     return float(seq_len * vocab * (act_bytes + 4 + 4))
 
@@ -134,16 +148,27 @@ def formula_profile(
     return ActivationProfile("formula", parts, dict.fromkeys(parts, 0.0), parts)
 
 
-def _fused_kernel_mode() -> Any:
-    """A torch function mode that makes the meta device save what a GPU saves.
+KERNEL_DEVICES = ("cuda", "cpu")
+"""Whose kernels the trace imitates: a GPU's (what ``dpkit plan`` plans for) or a CPU's
+(``--against`` a run that ran on CPUs)."""
 
-    On meta (as on CPU) PyTorch takes other code paths than on CUDA:
-    ``scaled_dot_product_attention`` falls back to the math kernel, which
-    saves the whole fp32 score matrix, and dropout multiplies by a mask of the
-    input's dtype. On a GPU, SDPA runs a fused kernel (FlashAttention,
-    memory-efficient) that keeps q, k, v, the output and the per-row
-    log-sum-exp, recomputing the scores in backward (Dao et al. 2022), and
-    dropout is ``native_dropout`` with a one-byte mask.
+
+def _kernel_mode(device: str, autocast_dtype: Any = None) -> Any:
+    """A torch function mode that makes the meta device save what ``device`` saves.
+
+    On meta PyTorch takes CPU-like code paths: ``scaled_dot_product_attention``
+    falls back to the math kernel, which saves the whole score matrix, and dropout
+    multiplies by a mask of the input's dtype. On a GPU, SDPA runs a fused kernel
+    (FlashAttention, memory-efficient) that keeps q, k, v, the output and the per-row
+    log-sum-exp, recomputing the scores in backward (Dao et al. 2022), and dropout is
+    ``native_dropout`` with a one-byte mask. On a CPU, SDPA runs the fused flash kernel
+    only without attention dropout (measured, torch 2.13: MiniLM saved the same bytes as
+    the fused imitation at dropout 0 and as the math kernel at 0.1); dropout is meta's.
+
+    ``autocast_dtype``: imitate ``torch.autocast`` (which does not run on meta) over
+    fp32 weights: matmuls in 16 bits, each weight cast once per forward (the copy the
+    matmul saves), the ops autocast keeps in fp32 (the loss; on a GPU also norms and
+    softmax) in fp32, the rest in whatever dtype their inputs have.
     """
     import torch
     import torch.nn.functional as F
@@ -165,20 +190,58 @@ def _fused_kernel_mode() -> Any:
             raise NotImplementedError
 
     def sdpa(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
+        dropout_p = kwargs.get("dropout_p", args[1] if len(args) > 1 else 0.0)
+        if device == "cpu" and dropout_p:
+            return F.scaled_dot_product_attention(query, key, value, *args, **kwargs)
         return FusedAttention.apply(query, key, value)
 
-    def dropout(input: Any, p: float = 0.5, training: bool = True, inplace: bool = False) -> Any:
+    def native_dropout(
+        input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
+    ) -> Any:
         if not training or p == 0:
             return input  # PyTorch returns the input itself: nothing saved
         return torch.ops.aten.native_dropout(input, p, True)[0]
 
-    replacements = {F.scaled_dot_product_attention: sdpa, F.dropout: dropout}
+    replacements: dict[Any, Any] = {F.scaled_dot_product_attention: sdpa}
+    if device == "cuda":
+        replacements[F.dropout] = native_dropout
+    # torch's autocast lists (aten/src/ATen/autocast_mode.cpp), the ops transformer
+    # models call: in 16 bits on both devices; in fp32 on a CPU only the losses.
+    lower = {
+        F.linear, F.conv1d, F.conv2d, F.scaled_dot_product_attention, torch.addmm,
+        torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm,
+        torch.baddbmm, torch.mm,
+    }  # fmt: skip
+    fp32 = {F.cross_entropy, F.nll_loss}
+    if device == "cuda":
+        fp32 |= {
+            F.layer_norm, F.group_norm, F.softmax, F.log_softmax, torch.softmax,
+            torch.Tensor.softmax, torch.log_softmax, torch.Tensor.log_softmax, torch.pow,
+            torch.Tensor.pow, torch.rsqrt, torch.exp, torch.sum, torch.cumsum, torch.norm,
+        }  # fmt: skip
+    copies: dict[int, Any] = {}  # autocast's cache: one copy per weight per forward
 
-    class FusedKernels(TorchFunctionMode):
+    def cast(value: Any, dtype: Any) -> Any:
+        if not (torch.is_tensor(value) and value.is_floating_point()) or value.dtype == dtype:
+            return value
+        if value.is_leaf and value.requires_grad:
+            if id(value) not in copies:
+                copies[id(value)] = value.to(dtype)
+            return copies[id(value)]
+        return value.to(dtype)
+
+    class Kernels(TorchFunctionMode):
+        weight_copies = copies  # what the trace sets apart as a part of its own
+
         def __torch_function__(self, func, types, args=(), kwargs=None):
-            return replacements.get(func, func)(*args, **(kwargs or {}))
+            kwargs = kwargs or {}
+            if autocast_dtype is not None and (func in lower or func in fp32):
+                dtype = autocast_dtype if func in lower else torch.float32
+                args = tuple(cast(a, dtype) for a in args)
+                kwargs = {k: cast(v, dtype) for k, v in kwargs.items()}
+            return replacements.get(func, func)(*args, **kwargs)
 
-    return FusedKernels()
+    return Kernels()
 
 
 def _repeated_layers(model: Any) -> list[Any]:
@@ -196,8 +259,29 @@ def _repeated_layers(model: Any) -> list[Any]:
     return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
 
 
-def _trace_once(model: Any, micro_batch: int, seq_len: int, with_labels: bool) -> dict[str, Any]:
-    """Saved-for-backward bytes of one forward on the meta device, by layer."""
+def _trace_labels(model: Any, micro_batch: int, seq_len: int) -> Any:
+    """Labels of the shape the model's head takes (its loss is part of the forward), or
+    None for a head dpkit does not know how to label (no loss traced)."""
+    import torch
+
+    name = type(model).__name__
+    config = model.config
+    if name.endswith("ForSequenceClassification"):
+        if getattr(config, "problem_type", None) == "multi_label_classification":
+            return torch.zeros((micro_batch, config.num_labels), device="meta")
+        if config.num_labels == 1:  # regression: float targets
+            return torch.zeros((micro_batch,), device="meta")
+        return torch.zeros((micro_batch,), dtype=torch.long, device="meta")
+    if name.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassification")):
+        return torch.zeros((micro_batch, seq_len), dtype=torch.long, device="meta")
+    return None
+
+
+def _trace_once(
+    model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype: Any = None
+) -> dict[str, Any]:
+    """Saved-for-backward bytes of one forward on the meta device, by layer, and the
+    bytes of the logits a loss was computed from (0 without one)."""
     import torch
 
     param_storages = {p.untyped_storage()._cdata for p in model.parameters()}
@@ -206,6 +290,7 @@ def _trace_once(model: Any, micro_batch: int, seq_len: int, with_labels: bool) -
     per_layer = [0.0] * len(layers)
     layer_inputs = [0.0] * len(layers)
     state = {"layer": -1, "outside": 0.0}
+    where: dict[int, tuple[int, float]] = {}  # storage -> (layer or -1, bytes)
 
     def pack(tensor: Any) -> Any:
         key = tensor.untyped_storage()._cdata
@@ -214,6 +299,7 @@ def _trace_once(model: Any, micro_batch: int, seq_len: int, with_labels: bool) -
         ):  # each storage once; weights are model states
             seen.add(key)
             nbytes = float(tensor.untyped_storage().nbytes())
+            where[key] = (state["layer"], nbytes)
             if state["layer"] >= 0:
                 per_layer[state["layer"]] += nbytes
             else:
@@ -236,56 +322,120 @@ def _trace_once(model: Any, micro_batch: int, seq_len: int, with_labels: bool) -
     for index, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(enter(index), with_kwargs=True))
         handles.append(layer.register_forward_hook(leave))
-    ids = torch.zeros((micro_batch, seq_len), dtype=torch.long, device="meta")
-    kwargs = {"input_ids": ids, "labels": ids} if with_labels else {"input_ids": ids}
+    # The recipes' batches also carry an attention mask (and BERT's token type ids); a
+    # padding mask cannot be built on meta (transformers inspects its values), and on
+    # the kernels above it is not saved: the bytes are the same without it.
+    kwargs = {"input_ids": torch.zeros((micro_batch, seq_len), dtype=torch.long, device="meta")}
+    labels = _trace_labels(model, micro_batch, seq_len)
+    if labels is not None:
+        kwargs["labels"] = labels
+    kernels = _kernel_mode(device, autocast_dtype)
     try:
         with (
             quiet_transformers(),
-            _fused_kernel_mode(),
+            kernels,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
-            model(**kwargs)
+            output = model(**kwargs)
     finally:
         for handle in handles:
             handle.remove()
-    return {"outside": state["outside"], "layers": per_layer, "layer_inputs": layer_inputs}
+    # Autocast's weight copies, a part of their own: they do not grow with the batch.
+    weight_copies = 0.0
+    for copy in kernels.weight_copies.values():
+        layer, nbytes = where.pop(copy.untyped_storage()._cdata, (None, 0.0))
+        if layer is None:
+            continue  # cast but not saved (a bias)
+        weight_copies += nbytes
+        if layer >= 0:
+            per_layer[layer] -= nbytes
+        else:
+            state["outside"] -= nbytes
+    logits = getattr(output, "logits", None)
+    logits_bytes = float(logits.numel() * logits.element_size()) if labels is not None else 0.0
+    return {
+        "outside": state["outside"],
+        "layers": per_layer,
+        "layer_inputs": layer_inputs,
+        "logits_elements": float(logits.numel()) if logits_bytes else 0.0,
+        "logits_bytes": logits_bytes,
+        "weight_copies": weight_copies,
+    }
 
 
-def trace_profile(
-    spec: ModelSpec, seq_len: int, precision: str, checkpointing: bool, attention: str
+def _trace_model(spec: ModelSpec, attention: str) -> Any:
+    """The model the run trained, on the meta device, in training mode."""
+    import copy
+
+    config = spec.config
+    classifier = spec.task.endswith("ForSequenceClassification")
+    if classifier and getattr(config, "pad_token_id", None) is None:
+        # Decoder classifiers find each row's last token by the padding id; the recipes
+        # set it from the tokenizer (dpkit.models.classifier_labels).
+        config = copy.deepcopy(config)
+        config.pad_token_id = 0
+    return build_meta_model(config, attn_implementation=attention, task=spec.task).train()
+
+
+def _profile_from_traces(
+    model: Any, seq_len: int, checkpointing: bool, device: str, autocast_dtype: Any
 ) -> ActivationProfile:
-    """Activations from the model's own forward, run on the meta device at full size.
-
-    Counts every storage autograd saves for backward once, skipping weights
-    (the memory report's measure). Traced at micro-batches 1, 2 and 3: from 2
-    on every saved tensor has a batch dimension or none, so 2 and 3 give the
-    line exactly; 1 is kept as traced (see :class:`ActivationProfile`). With
-    checkpointing, each layer keeps its input and one layer at a time is
-    recomputed in backward.
-    """
-    import torch
-
-    model = build_meta_model(spec.config, attn_implementation=attention)
-    model = model.to(torch.float32 if precision == "fp32" else torch.bfloat16).train()
-    has_lm_head = model.get_output_embeddings() is not None
-    logits_peak = _logits_peak_per_sample(spec, seq_len, dtype_bytes(precision))
-
     def saved(micro_batch: int) -> dict[str, float]:
-        trace = _trace_once(model, micro_batch, seq_len, has_lm_head)
+        trace = _trace_once(model, micro_batch, seq_len, device, autocast_dtype)
         parts = {"outside_layers": trace["outside"]}
         if checkpointing:
             parts["layer_inputs"] = sum(trace["layer_inputs"])
             parts["one_layer"] = max(trace["layers"], default=0.0)
         else:
             parts["layers"] = sum(trace["layers"])
-        if has_lm_head:
-            parts["logits_peak"] = logits_peak * micro_batch
+        if autocast_dtype is not None:
+            parts["autocast_weight_copies"] = trace["weight_copies"]
+        if trace["logits_bytes"]:
+            # At the start of backward, beside everything saved: the logits the model
+            # returned, and cross-entropy's two fp32 gradients (of the log-probabilities,
+            # then of the upcast logits); a sequence classifier's are a few bytes, an
+            # LM's the largest part.
+            parts["logits_peak"] = trace["logits_bytes"] + 8 * trace["logits_elements"]
         return parts
 
     one, two, three = saved(1), saved(2), saved(3)
     per_sample = {k: three[k] - two[k] for k in two}
     fixed = {k: two[k] - 2 * per_sample[k] for k in two}
     return ActivationProfile("trace", one, fixed, per_sample)
+
+
+def trace_profile(
+    spec: ModelSpec,
+    seq_len: int,
+    precision: str,
+    checkpointing: bool,
+    attention: str,
+    device: str = "cuda",
+) -> ActivationProfile:
+    """Activations from the model's own forward, run on the meta device at full size.
+
+    The model is built with the head it trains with (``spec.task``: a sequence
+    classifier's logits are a few numbers per sample, an LM's a vocabulary per token)
+    and its loss is part of the forward. Counts every storage autograd saves for
+    backward once, skipping weights (the memory report's measure), with ``device``'s
+    kernels (:func:`_kernel_mode`). Traced at micro-batches 1, 2 and 3: from 2 on
+    every saved tensor has a batch dimension or none, so 2 and 3 give the line
+    exactly; 1 is kept as traced (see :class:`ActivationProfile`). With checkpointing,
+    each layer keeps its input and one layer at a time is recomputed in backward. In
+    mixed precision the model is traced twice: with 16-bit weights (DeepSpeed, FSDP2),
+    and under autocast over fp32 weights (DDP: ``under_autocast``).
+    """
+    import torch
+
+    if device not in KERNEL_DEVICES:
+        raise UsageError(f"device={device!r}: not one of {', '.join(KERNEL_DEVICES)}")
+    model = _trace_model(spec, attention)
+    if precision == "fp32":
+        return _profile_from_traces(model, seq_len, checkpointing, device, None)
+    half = torch.float16 if precision == "fp16" else torch.bfloat16
+    autocast = _profile_from_traces(model, seq_len, checkpointing, device, half)
+    weights = _profile_from_traces(model.to(half), seq_len, checkpointing, device, None)
+    return replace(weights, under_autocast=autocast)
 
 
 def activation_profile(
@@ -295,13 +445,15 @@ def activation_profile(
     checkpointing: bool,
     attention: str = "sdpa",
     method: str = "trace",
+    device: str = "cuda",
 ) -> ActivationProfile | None:
-    """Activations per GPU, or None for a bare parameter count (no shapes)."""
+    """Activations per GPU, or None for a bare parameter count (no shapes). ``device``:
+    whose kernels the trace imitates (:data:`KERNEL_DEVICES`)."""
     if not spec.has_shapes:
         return None
     if method == "trace":
         try:
-            return trace_profile(spec, seq_len, precision, checkpointing, attention)
+            return trace_profile(spec, seq_len, precision, checkpointing, attention, device)
         except Exception as err:  # an unusual model may not run on meta; the formula still applies
             note = f"meta-device trace failed ({first_line(err)})"
             try:

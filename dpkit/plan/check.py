@@ -17,13 +17,14 @@ padded per parameter, :mod:`dpkit.engines.fsdp2.layout`), never with DeepSpeed's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from dpkit.errors import UsageError
 from dpkit.memory.analytic import canonical_precision
 from dpkit.memory.categories import MODEL_STATES
+from dpkit.plan.activations import activation_profile, saved_bytes
 from dpkit.plan.estimate import StrategyEstimate, buffer_settings, estimate
 from dpkit.plan.inputs import (
     ModelSpec,
@@ -35,7 +36,9 @@ from dpkit.plan.inputs import (
 from dpkit.strategy import get_strategy
 
 CATEGORIES = MODEL_STATES
-"""The rows of the check: the model states, one by one."""
+"""The model-state rows of the check, one by one (their sum is ``total``)."""
+OTHER_ROWS = ("buffers", "activations")
+"""The rows after ``total``: communication buffers, and the bytes saved for backward."""
 MIB = 2**20
 
 
@@ -56,6 +59,13 @@ class PlanCheck:
     """The ZeRO paper's gradient figure, for comparison."""
     grads_where: str
     """The rank and moment the plan's gradient figure comes from."""
+    planned_batch: str = ""
+    """The batch the activations were planned for, and why that one."""
+    not_predicted: dict[str, str] = field(default_factory=dict)
+    """Rows the plan gives no number for, with the reason (the peak of a CPU run)."""
+    logits_peak: float = 0.0
+    """The loss's transient at the start of backward that the plan adds to activations
+    and the report does not measure (not a saved tensor), shown beside the check."""
 
     @property
     def error_pct(self) -> dict[str, float | None]:
@@ -92,8 +102,8 @@ def _trainer_model(report: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
     """The model a Trainer run trained, as its memory report recorded it."""
     record = report["model"]
     spec = spec_from_record(record)
-    # Model states do not depend on the sequence length (activations do, and the check
-    # compares model states only); the Trainer pads each batch to its own length.
+    # Only where the report records no batch shapes (:func:`_measured_batch`): the
+    # Trainer pads each batch to its own length, which the plan cannot know.
     seq_len = min(128, spec.max_positions or 128)
     return spec.name, spec, int(record.get("micro_batch_size") or 1), seq_len
 
@@ -105,6 +115,13 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
     if "ModelConfig" in config and "TrainConfig" in config:  # recipes/finetune.py
         name = config["ModelConfig"]["model"]
         spec = load_model(name, task="sequence_classification")
+        dropout = config["ModelConfig"].get("dropout")
+        if dropout is not None and spec.config is not None:
+            # --dropout set every dropout field of the run's model (ModelConfig.
+            # dropout_overrides); the activations saved depend on it (masks, kernels).
+            for key, value in spec.config.to_dict().items():
+                if "dropout" in key and isinstance(value, float):
+                    setattr(spec.config, key, float(dropout))
         micro_batch = int(config["TrainConfig"]["micro_batch_size"])
         # Runs from before max_seq_length was recorded: the recipe's default, within the
         # model's positions (model states do not depend on it).
@@ -121,6 +138,54 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
         spec = spec_from_config(name, "recipe", lm_data.lm_config(workload))
         return name, spec, workload.micro_batch_size, workload.seq_len
     raise UsageError(f"{where}: not from recipes/finetune.py or recipes/train_lm.py")
+
+
+def _measured_batch(report: dict[str, Any], micro_batch: int, seq_len: int) -> tuple[int, int, str]:
+    """The batch to plan activations for: the shape of the forward at the largest
+    rank's activation high-water, which the report records (dynamic padding makes most
+    batches shorter than the run's longest allowed); the run's own micro-batch and
+    longest sequence where it records none (a report from before, a model without
+    token ids), a worst case. With the sentence saying which."""
+    rows = [r for r in report["ranks"] if r.get("activations") is not None]
+    largest = max(rows, key=lambda r: float(r["activations"]), default=None)
+    seen = largest.get("activation_batch") if largest is not None else None
+    if not seen or not seen.get("seq_len_at_high_water"):
+        return (
+            micro_batch,
+            seq_len,
+            (
+                f"micro-batch {micro_batch} x {seq_len} tokens: the run's longest allowed "
+                "(the report records no batch shapes), a worst case"
+            ),
+        )
+    batch, tokens = int(seen["micro_batch_at_high_water"]), int(seen["seq_len_at_high_water"])
+    return (
+        batch,
+        tokens,
+        (
+            f"micro-batch {batch} x {tokens} tokens: the batch of rank {largest['rank']}'s "
+            f"activation high-water (its batches: {seen['seq_len_min']}-{seen['seq_len_max']} "
+            f"tokens, mean {float(seen['seq_len_mean']):.1f}, over {seen['forwards']} forwards; "
+            f"longest allowed {seq_len})"
+        ),
+    )
+
+
+def _peak(report: dict[str, Any], row: StrategyEstimate) -> tuple[float | None, float | None, str]:
+    """The whole per-rank peak, predicted and measured, where the device reports one (a
+    GPU's allocator high-water: the plan's total less its reserve for the CUDA context);
+    else None and the reason."""
+    peaks = [r.get("peak", {}).get("max_allocated") for r in report["ranks"]]
+    if any(p is None for p in peaks) or not peaks:
+        return (
+            None,
+            None,
+            (
+                "not predicted on CPU: the run's peak is the process RSS high-water, which also "
+                "holds the interpreter, libraries and allocator slack"
+            ),
+        )
+    return row.total - row.reserve, max(float(p) for p in peaks), ""
 
 
 def _accumulation(run_dir: Path, report: dict[str, Any]) -> int:
@@ -159,6 +224,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
             f"--against: unknown precision {report['precision']!r} in the report"
         ) from None
     world_size = int(report["world_size"])
+    micro_batch, seq_len, planned_batch = _measured_batch(report, micro_batch, seq_len)
     inputs = PlanInputs(
         model=spec,
         gpus_per_node=world_size,
@@ -168,18 +234,38 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         gradient_accumulation_steps=_accumulation(run_dir, report),
         seq_len=seq_len,
     )
+    on_gpu = str(report.get("device", "cpu")).startswith("cuda")
+    # The kernels the run ran: a CPU saves other tensors for backward than a GPU does.
+    profile = activation_profile(
+        spec, seq_len, precision, False, inputs.attention, device="cuda" if on_gpu else "cpu"
+    )
     settings = _run_settings(report, buffer_settings(spec, world_size))
     strategy = get_strategy(report["strategy"])
-    on_gpu = str(report.get("device", "cpu")).startswith("cuda")
     if report.get("offload_optimizer") and on_gpu:
         # Optimizer state and master weights off the GPU: the plan's offload row. (A CPU
         # run's host memory is its device memory: planned, and measured, as ZeRO-2.)
         strategy = strategy.offloaded()
-    row: StrategyEstimate = estimate(inputs, strategy, inputs.micro_batch, None, settings)
+    row: StrategyEstimate = estimate(inputs, strategy, inputs.micro_batch, profile, settings)
     predicted = {c: float(getattr(row, c)) for c in CATEGORIES}
     predicted["total"] = sum(predicted.values())
     measured = {c: max(float(r[c]) for r in report["ranks"]) for c in CATEGORIES}
     measured["total"] = max(float(r["model_state_total"]) for r in report["ranks"])
+    predicted["buffers"] = row.buffers
+    measured["buffers"] = max(float(r.get("buffers_total", 0.0)) for r in report["ranks"])
+    not_predicted: dict[str, str] = {}
+    activations = [float(r["activations"]) for r in report["ranks"] if r.get("activations")]
+    if profile is None:
+        not_predicted["activations"] = "the run's model has no shapes to trace"
+    elif activations:
+        predicted["activations"] = saved_bytes(row.activation_parts)
+        measured["activations"] = max(activations)
+    else:
+        not_predicted["activations"] = "the run did not count them (count_activations off)"
+    peak_predicted, peak_measured, why_not = _peak(report, row)
+    if peak_predicted is None:
+        not_predicted["peak"] = why_not
+    else:
+        predicted["peak"], measured["peak"] = peak_predicted, peak_measured
     return PlanCheck(
         run_dir=run_dir,
         model=model_name,
@@ -190,6 +276,9 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         measured=measured,
         grads_paper=row.grads_paper,
         grads_where=row.grads_where,
+        planned_batch=planned_batch,
+        not_predicted=not_predicted,
+        logits_peak=row.activation_parts.get("logits_peak", 0.0),
     )
 
 
@@ -198,16 +287,32 @@ def format_check(check: PlanCheck) -> str:
     lines = [
         f"dpkit plan --against {check.run_dir}",
         f"  {check.model}: {check.strategy} on {check.world_size} ranks, {check.precision}; "
-        "model states per GPU (plan: its worst rank; measured: the largest rank)",
-        "",
-        f"{'MiB per GPU':<14}{'predicted':>11}{'measured':>11}{'error':>9}",
+        "per GPU (plan: its worst rank; measured: the largest rank)",
     ]
+    if check.planned_batch:
+        lines.append(f"  activations planned for {check.planned_batch}")
+    lines += ["", f"{'MiB per GPU':<14}{'predicted':>11}{'measured':>11}{'error':>9}"]
     errors = check.error_pct
-    for key in (*CATEGORIES, "total"):
+    for key in (*CATEGORIES, "total", *OTHER_ROWS, "peak"):
+        if key in check.not_predicted:
+            lines.append(f"{key:<14}{'-':>11}{'-':>11}{'-':>9}  {check.not_predicted[key]}")
+            continue
+        if key not in check.predicted:
+            continue
         error = errors[key]
         lines.append(
             f"{key:<14}{check.predicted[key] / MIB:>11.1f}{check.measured[key] / MIB:>11.1f}"
             + (f"{error:>+8.1f}%" if error is not None else f"{'-':>9}")
+        )
+    lines.append(
+        "total: the model states; activations: bytes saved for backward in one forward "
+        "(the report's measure)"
+    )
+    if check.logits_peak:
+        lines.append(
+            f"not in activations above: the loss's logits peak at the start of backward, "
+            f"{check.logits_peak / MIB:.1f} MiB planned (transient, not a saved tensor; the "
+            "report does not measure it)"
         )
     if check.grads_where:
         lines += [
@@ -231,4 +336,7 @@ def check_dict(check: PlanCheck) -> dict[str, Any]:
         "error_pct": check.error_pct,
         "grads_paper_bytes": round(check.grads_paper),
         "grads_where": check.grads_where,
+        "planned_batch": check.planned_batch,
+        "not_predicted": dict(check.not_predicted),
+        "logits_peak_bytes": round(check.logits_peak),
     }

@@ -176,16 +176,23 @@ def estimate(
         param_shapes=inputs.model.param_shapes or None,
     )
     activation_parts: dict[str, float] = {}
-    if activations is not None:
-        activation_parts = activations.parts(micro_batch)
-    # What the backend adds to the saved tensors (DDP autocast's 16-bit weight copies;
-    # FSDP2's matmuls save its whole 16-bit parameters, counted among its buffers).
-    activation_parts.update(
-        engine.activation_extras(strategy, float(num_params), canonical_precision(inputs.precision))
-    )
+    precision = canonical_precision(inputs.precision)
+    autocast = engine.activations_under_autocast(strategy, precision)
+    if activations is not None and autocast and activations.under_autocast is not None:
+        # DDP's mixed precision: the trace made under autocast, weight copies included.
+        activation_parts = activations.under_autocast.parts(micro_batch)
+    else:
+        if activations is not None:
+            activation_parts = activations.parts(micro_batch)
+        # What the backend adds to the saved tensors (DDP autocast's 16-bit weight copies,
+        # where no trace under autocast counted them; FSDP2's matmuls save its whole
+        # 16-bit parameters, counted among its buffers).
+        activation_parts.update(engine.activation_extras(strategy, float(num_params), precision))
     buffers = buffer_bytes(
         strategy, inputs.model, inputs.world_size, inputs.precision, settings, states.grads
     )
+    if inputs.model.module_buffer_bytes:  # every strategy keeps the module's own whole
+        buffers["module_buffers"] = float(inputs.model.module_buffer_bytes)
     laid_out = engine.gradient_layout(strategy, inputs, settings)
     step = engine.step_bytes(
         strategy,

@@ -164,6 +164,13 @@ class ModelSpec:
     """For each of ``param_shapes``, the FSDP2 unit holding it: the index of the
     transformer layer (a module of a class in the model's ``_no_split_modules``) it is
     in, or -1 for the root (embeddings, head, final norm). Empty for a bare count."""
+    module_buffer_bytes: int = 0
+    """Bytes of the module's own buffers (position ids, rotary frequencies), which the
+    memory report counts among its buffers."""
+    task: str = "causal_lm"
+    """The head the model is built with for the activation trace: the transformers class
+    it was built as (``BertForSequenceClassification``), or ``causal_lm`` where that is
+    unknown (a bare count, a class transformers does not export)."""
 
     @property
     def has_shapes(self) -> bool:
@@ -260,6 +267,11 @@ def spec_from_model(
         param_groups = [group["params"] for group in adamw_param_groups(model, 0.0)]
     where = {id(p): (g, i) for g, group in enumerate(param_groups) for i, p in enumerate(group)}
     unit_of = fsdp2_units(model)
+    import transformers
+
+    # The class itself, not the task asked for: activations follow the head it really has.
+    class_name = type(model).__name__
+    task = class_name if hasattr(transformers, class_name) else "causal_lm"
     return ModelSpec(
         name=name,
         source=source,
@@ -272,6 +284,9 @@ def spec_from_model(
         param_order=tuple(where[id(p)] for p in params if id(p) in where),
         param_shapes=tuple(tuple(int(d) for d in p.shape) for p in params),
         param_units=tuple(unit_of.get(id(p), -1) for p in params),
+        # init_empty_weights leaves buffers real, so their sizes are known on meta too.
+        module_buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        task=task,
     )
 
 
@@ -328,11 +343,13 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
                 f"--against: cannot rebuild the config of {record.get('name')!r} "
                 f"({first_line(err)})"
             ) from None
-    laid_out = {"param_groups", "param_order", "param_shapes", "param_units"}
+    laid_out = {"param_groups", "param_order", "param_shapes", "param_units", "task"}
     known = {f.name for f in fields(ModelSpec)} - {"config"} - laid_out
     return ModelSpec(
         **{k: v for k, v in record.items() if k in known},
         config=config,
+        # Reports written before the task was recorded name the model's class.
+        task=str(record.get("task") or record.get("class") or "causal_lm"),
         param_groups=tuple(tuple(group) for group in record.get("param_groups", ())),
         param_order=tuple(tuple(where) for where in record.get("param_order", ())),
         # Reports written before FSDP2 have no shapes: its figures are then Psi/N.

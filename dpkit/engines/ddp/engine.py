@@ -137,6 +137,9 @@ class DDPEngine(Engine):
     ) -> dict[str, float]:
         return plan.autocast_weight_copies(num_params, precision)
 
+    def activations_under_autocast(self, strategy: Any, precision: str) -> bool:
+        return precision != "fp32"  # accelerate's mixed precision under DDP is autocast
+
     def plan_settings_text(self, settings: Mapping[str, Any]) -> str:
         if settings["gradient_as_bucket_view"]:
             return "DDP gradients are views of its buckets"
