@@ -308,7 +308,7 @@ def format_check(check: PlanCheck) -> str:
         "total: the model states; activations: bytes saved for backward in one forward "
         "(the report's measure)"
     )
-    if check.logits_peak:
+    if check.logits_peak >= 0.05 * MIB:  # a classifier's few logits: not worth a line
         lines.append(
             f"not in activations above: the loss's logits peak at the start of backward, "
             f"{check.logits_peak / MIB:.1f} MiB planned (transient, not a saved tensor; the "
