@@ -142,6 +142,8 @@ def test_the_last_probed_step_is_kept_and_later_steps_add_nothing():
     tracker, _ = _tracked(steps=3, probe_steps=2)
     row = tracker.measure()
     assert row["timeline"]["step"] == 2
+    # Its times start again from its own first point.
+    assert row["timeline"]["points"][0]["t"] == 0.0
     points = _points(row)
     # Step 2 starts with AdamW's state in place (created in step 1).
     assert points["forward_begin"]["optimizer"] == 2 * PARAM_BYTES + 4 * 9
@@ -245,3 +247,72 @@ def test_dpkit_report_without_run_dir_is_a_usage_error(capsys):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "RUN_DIR" in err[0]
+
+
+# ---- the bench's side-by-side chart ----------------------------------------------------------
+
+
+def _two_rank_report(run_dir: Path, larger_rank: int) -> dict:
+    """The tracker's one-rank report made two ranks, ``larger_rank`` holding 1 MiB more
+    gradients at every point (so its worst moment is the larger)."""
+    report = json.loads((run_dir / "memory_report.json").read_text())
+    (row,) = report["ranks"]
+    rows = []
+    for rank in (0, 1):
+        copy = json.loads(json.dumps(row))
+        copy["rank"] = rank
+        extra = 2.0**20 if rank == larger_rank else 0.0
+        for point in copy["timeline"]["points"]:
+            point["grads"] += extra
+        copy["largest_moment"]["total"] += extra
+        rows.append(copy)
+    report["ranks"] = rows
+    report["world_size"] = 2
+    return report
+
+
+@pytest.mark.parametrize("larger_rank", [0, 1])
+def test_the_bench_takes_the_timeline_of_the_rank_that_peaks_highest(run_dir, larger_rank):
+    from dpkit.bench.results import summarize_memory
+
+    memory = summarize_memory(_two_rank_report(run_dir, larger_rank))
+    assert memory["timeline_rank"] == larger_rank
+    points = memory["timeline"]["points"]
+    first = json.loads((run_dir / "memory_report.json").read_text())["ranks"][0]["timeline"]
+    assert points[0]["grads"] == first["points"][0]["grads"] + 2.0**20
+
+
+def test_a_bench_report_without_timelines_summarises_without_one(run_dir):
+    from dpkit.bench.chart import has_timelines
+    from dpkit.bench.results import summarize_memory
+
+    report = _two_rank_report(run_dir, 1)
+    for row in report["ranks"]:
+        del row["timeline"]
+    memory = summarize_memory(report)
+    assert memory["timeline"] is None and memory["timeline_rank"] is None
+    results = {"strategies": ["ddp"], "runs": {"ddp": {"memory": memory}}}
+    assert not has_timelines(results)
+
+
+def test_the_bench_draws_every_strategys_timeline_side_by_side(run_dir, tmp_path):
+    from dpkit.bench.chart import has_timelines, write_timelines_chart
+    from dpkit.bench.results import summarize_memory
+
+    memory = summarize_memory(_two_rank_report(run_dir, 1))
+    names = ["ddp", "zero2", "fsdp2_full_shard"]
+    results = {
+        "strategies": names,
+        "runs": {name: {"memory": memory} for name in names},
+        "comparison": {
+            name: {"predicted_model_states": 4 * PARAM_BYTES, "plan_model_states": 4 * PARAM_BYTES}
+            for name in names
+        },
+        "settings": {"nproc": 2},
+        "num_params": PARAMS,
+        "precision": "fp32",
+    }
+    assert has_timelines(results)
+    path = tmp_path / "timelines.png"
+    write_timelines_chart(results, path)
+    assert _is_png(path)
