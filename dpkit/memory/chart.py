@@ -9,6 +9,7 @@ Agg backend, as the bench chart.
 from __future__ import annotations
 
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from dpkit.memory.timeline import TIMELINE_CATEGORIES, timeline_totals
@@ -16,20 +17,24 @@ from dpkit.memory.timeline import TIMELINE_CATEGORIES, timeline_totals
 MIB = 1024.0**2
 CHART_FILE = "memory_timeline.png"
 """Written next to ``memory_report.json``."""
-COLORS = {
-    "params": "#4c72b0",
-    "grads": "#dd8452",
-    "optimizer": "#55a868",
-    "master": "#c44e52",
-    "buffers": "#8172b3",
-    "activations": "#bbbbbb",
-}
-PHASE_COLORS = {
-    "forward": "#4c72b0",
-    "backward": "#dd8452",
-    "reduce": "#8172b3",
-    "optimizer": "#55a868",
-}
+COLORS = MappingProxyType(
+    {
+        "params": "#4c72b0",
+        "grads": "#dd8452",
+        "optimizer": "#55a868",
+        "master": "#c44e52",
+        "buffers": "#8172b3",
+        "activations": "#bbbbbb",
+    }
+)
+PHASE_COLORS = MappingProxyType(
+    {
+        "forward": "#4c72b0",
+        "backward": "#dd8452",
+        "reduce": "#8172b3",
+        "optimizer": "#55a868",
+    }
+)
 
 
 def has_timeline(report: dict[str, Any]) -> bool:
