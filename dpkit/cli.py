@@ -1,4 +1,4 @@
-"""The ``dpkit`` command: ``dpkit data fetch``, ``plan``, ``bench``, ``tune``, ``configs``, ``consolidate``.
+"""The ``dpkit`` command: ``dpkit data fetch``, ``plan``, ``bench``, ``tune``, ``configs``, ``report``, ``consolidate``.
 
 Each subcommand lives in its own module that provides ``add_arguments(parser)``
 and ``main(args) -> int``; modules are imported only when their command runs,
@@ -32,6 +32,10 @@ COMMANDS = {
     "configs": (
         "dpkit.config_files",
         "export the shipped DeepSpeed JSONs and accelerate YAMLs into a folder, to edit",
+    ),
+    "report": (
+        "dpkit.memory.report_cli",
+        "draw a finished run's memory timeline (memory_timeline.png) from its memory_report.json",
     ),
     "consolidate": (
         "dpkit.checkpoints.consolidate",

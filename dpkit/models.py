@@ -184,6 +184,46 @@ def count_parameters(model, trainable_only: bool = False) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
+def block_class_names(model: Any) -> tuple[str, ...]:
+    """The class names of the model's repeated blocks (its transformer layers), or ().
+
+    In order: the model's ``_no_split_modules`` present in it (transformers' list of
+    blocks that must stay whole), else the class of the longest ``nn.ModuleList`` of two
+    or more same-class blocks (BERT's ``encoder.layer``, which declares no
+    ``_no_split_modules``), as torchtitan and accelerate find a model's layers. FSDP2
+    makes these its units; the memory timeline probes at each.
+    """
+    import torch
+
+    # A wrapper's subclass counts as its class (fully_shard makes BertLayer FSDPBertLayer).
+    present = {c.__name__ for m in model.modules() for c in type(m).__mro__}
+    # A list on the class, a set on an instance (transformers 5): sorted, for the log.
+    declared = sorted(name for name in (getattr(model, "_no_split_modules", None) or []) if name)
+    found = tuple(name for name in declared if name in present)
+    if found:
+        return found
+    best: tuple[int, str] | None = None
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
+            continue
+        classes = {type(child).__name__ for child in module}
+        if len(classes) == 1 and (best is None or len(module) > best[0]):
+            best = (len(module), classes.pop())
+    return () if best is None else (best[1],)
+
+
+def repeated_blocks(model: Any) -> list[Any]:
+    """The modules of :func:`block_class_names`, in ``modules()`` order (forward order for
+    a layer list). A wrapper's subclass counts as its block class (``fully_shard`` turns
+    ``BertLayer`` into ``FSDPBertLayer``)."""
+    wanted = set(block_class_names(model))
+    return [
+        m
+        for m in model.modules()
+        if m is not model and any(c.__name__ in wanted for c in type(m).__mro__)
+    ]
+
+
 def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     """The recipes' two optimizer groups: matrices and embeddings decay, biases and norm
     weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order.

@@ -341,6 +341,7 @@ def test_a_trainer_runs_memory_report_plan_check_and_scalars(tmp_path):
     _check_the_report_holds_the_bytes_worked_by_hand(run)
     _check_dpkit_plan_against_checks_every_category_and_the_total(run)
     _check_the_memory_scalars_go_out_with_the_reporting_steps_logs(run)
+    _check_the_timeline_holds_both_micro_batches_and_is_drawn(run)
 
 
 def _check_the_report_holds_the_bytes_worked_by_hand(reported_run) -> None:
@@ -371,6 +372,24 @@ def _check_the_report_holds_the_bytes_worked_by_hand(reported_run) -> None:
     assert len(groups) == 2  # the Trainer's decay and no-decay groups
     # Nothing to note: AdamW, the Trainer found from the callback.
     assert not [note for note in report["notes"] if "AdamW" in note or "Trainer" in note]
+
+
+def _check_the_timeline_holds_both_micro_batches_and_is_drawn(reported_run) -> None:
+    import json
+
+    report = json.loads((reported_run["out"] / "memory_report.json").read_text())
+    timeline = report["ranks"][0]["timeline"]
+    # Probed for 3 steps (the callback's default): the third is kept, whole.
+    assert timeline["step"] == 3 and timeline["complete"]
+    names = [p["point"] for p in timeline["points"]]
+    # gradient_accumulation_steps=2: two forwards and two backwards, then one update.
+    assert names.count("forward_end") == 2 and names.count("backward_end") == 2
+    assert names.index("optimizer_step_begin") > max(
+        i for i, name in enumerate(names) if name == "backward_end"
+    )
+    assert names[0] == "forward_begin" and names[-1] == "optimizer_step_end"
+    chart = reported_run["out"] / "memory_timeline.png"
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 10_000
 
 
 def _check_dpkit_plan_against_checks_every_category_and_the_total(reported_run) -> None:

@@ -119,3 +119,57 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def has_timelines(results: dict[str, Any]) -> bool:
+    """Whether every dpkit run of the bench recorded a memory timeline."""
+    names = [s.name for s in result_strategies(results)]
+    return bool(names) and all(results["runs"][n]["memory"].get("timeline") for n in names)
+
+
+def write_timelines_chart(results: dict[str, Any], path: Path) -> None:
+    """Each strategy's step, its worst rank (the one whose worst moment is largest), side
+    by side on one normalised time axis and one memory scale: the categories stacked,
+    the ZeRO paper's and ``dpkit plan``'s model states per rank as lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dpkit.memory.chart import draw_timeline
+
+    strategies = result_strategies(results)
+    runs, comparison = results["runs"], results["comparison"]
+    # The step over normalised time above; point by point below, where the optimizer
+    # step's copies (short, but often the largest moment) get the width of any point.
+    fig, axes = plt.subplots(
+        2, len(strategies), figsize=(4.6 * len(strategies), 8.4), sharey=True, squeeze=False
+    )
+    for index, strategy in enumerate(strategies):
+        memory = runs[strategy.name]["memory"]
+        row = comparison[strategy.name]
+        lines = [
+            (row["predicted_model_states"], "model states, ZeRO paper", "--"),
+            (row["plan_model_states"], "model states, dpkit plan", ":"),
+        ]
+        for axis_row, axis in enumerate(("time", "points")):
+            ax = axes[axis_row][index]
+            draw_timeline(
+                ax,
+                memory["timeline"],
+                lines=lines,
+                runtime_bytes=memory.get("runtime_bytes"),
+                legend=index == 0 and axis_row == 0,
+                axis=axis,
+            )
+            if index == 0:
+                ax.set_ylabel("MiB on the rank that peaks highest")
+        axes[0][index].set_title(f"{strategy.label}: rank {memory['timeline_rank']}", fontsize=10)
+    fig.suptitle(
+        f"One step's memory by category: {results['settings']['nproc']} ranks, "
+        f"{results['num_params'] / 1e6:.1f}M params, {results['precision']} "
+        "(forward, backward, reduce, optimizer shaded)"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

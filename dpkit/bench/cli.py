@@ -13,7 +13,8 @@ Transformers ``Trainer`` on the same job (:mod:`dpkit.bench.trainer_baseline`), 
 and baseline interleaved ``--repeats`` times (:mod:`dpkit.bench.launch`); reads each run's
 own files and compares them (:mod:`dpkit.bench.results`); writes ``results.json``
 (every raw number, the machine, the versions), ``results.md`` (the tables, also
-printed; :mod:`dpkit.bench.markdown`) and ``chart.png`` (:mod:`dpkit.bench.chart`).
+printed; :mod:`dpkit.bench.markdown`), ``chart.png`` and ``timelines.png`` (each
+strategy's memory over one step, its worst rank; :mod:`dpkit.bench.chart`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ RUNNABLE_NAMES = tuple(s.name for s in RUNNABLE)
 CLASSIFICATION_REPEATS = 3
 CLASSIFICATION_MICRO_BATCH = 32
 CLASSIFICATION_SEQ_LEN = 128
-OUTPUTS = ("results.json", "results.md", "chart.png")
+OUTPUTS = ("results.json", "results.md", "chart.png", "timelines.png")
 """What a bench writes into its output folder (a stale one is removed first)."""
 
 
@@ -318,6 +319,10 @@ def main(args: argparse.Namespace) -> int:
     table = markdown.format_markdown(found)
     (out / "results.md").write_text(table + "\n")
     chart.write_chart(found, out / "chart.png")
+    written = ["results.json", "results.md", "chart.png"]
+    if chart.has_timelines(found):
+        chart.write_timelines_chart(found, out / "timelines.png")
+        written.append("timelines.png")
     print(table)
-    print(f"\nresults: {', '.join(str(out / name) for name in OUTPUTS)}")
+    print(f"\nresults: {', '.join(str(out / name) for name in written)}")
     return 0

@@ -133,6 +133,7 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         ranks.append(entry)
     worst = max(ranks, key=lambda r: r["total"])
     peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
+    timeline_row = timeline_worst_rank(report)
     return {
         "num_params": int(report["num_params"]),
         "world_size": int(report["world_size"]),
@@ -146,7 +147,26 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         "settings": report.get("settings", {}),
         "residuals": report.get("residuals", []),
         "notes": report.get("notes", []),
+        # The timeline of the rank whose worst moment is largest (None before schema 2).
+        "timeline_rank": None if timeline_row is None else int(timeline_row["rank"]),
+        "timeline": None if timeline_row is None else timeline_row["timeline"],
+        "runtime_bytes": None
+        if timeline_row is None
+        else (timeline_row.get("peak") or {}).get("rss_runtime_at_track"),
     }
+
+
+def timeline_worst_rank(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The row of a memory report (JSON) whose timeline peaks highest: its largest
+    moment, all counted tensors at one point (the lower rank on a tie); None when no
+    rank recorded a timeline."""
+    rows = [r for r in report["ranks"] if (r.get("timeline") or {}).get("points")]
+    if not rows:
+        return None
+    return max(
+        sorted(rows, key=lambda r: r["rank"]),
+        key=lambda r: (r.get("largest_moment") or {}).get("total", 0.0),
+    )
 
 
 def max_relative_deviation(losses: list[float], reference: list[float]) -> float:

@@ -54,7 +54,11 @@ from dpkit.engines.deepspeed.config import (
 from dpkit.engines.deepspeed.config_keys import check_ds_config_keys
 from dpkit.engines.deepspeed.settings import fill_zero_settings, zero_memory_settings
 from dpkit.errors import UsageError
-from dpkit.memory.tracker import MemoryTracker, model_record  # model_record: re-exported
+from dpkit.memory.tracker import (  # model_record: re-exported
+    MemoryTracker,
+    model_record,
+    write_timeline_next_to,
+)
 from dpkit.memory.walk import inner_torch_optimizer, unwrap_optimizer
 from dpkit.models import ModelSizes
 from dpkit.resources import metric_dir  # re-exported: a Trainer script's offline metrics
@@ -518,6 +522,7 @@ class MemoryReportCallback(TrainerCallback):
         report.notes.extend(self._notes)
         report.model = self._model_record
         report.save(self.report_path)
+        write_timeline_next_to(report, self.report_path)
         self._pending_scalars = {
             key: value
             for key, value in report.tracker_scalars().items()

@@ -16,7 +16,9 @@ from typing import Any
 
 import torch
 
-from dpkit.memory.walk import CATEGORIES, inner_torch_optimizer, storage_key, walk
+from dpkit.memory.timeline import StepTimeline
+from dpkit.memory.walk import CATEGORIES, inner_torch_optimizer, storage_key, unwrap_module, walk
+from dpkit.models import repeated_blocks
 
 
 def _rss_now() -> float | None:
@@ -36,6 +38,13 @@ class _SavedActivations:
     engine says a module holds as parameters during its compute (FSDP2's all-gathered
     whole parameters, communication buffers to the walk: :attr:`param_storages`, and
     :meth:`note_params` as each unit starts its forward).
+
+    With ``track_release`` on (the steps a timeline is recorded in), the unpack hook
+    also counts each packed storage once as backward unpacks it: :meth:`held` is the
+    bytes packed by the last training forward less those unpacked since, which drains
+    to about 0 by the end of backward. A saved tensor is freed when its autograd node
+    has run, shortly after the unpack; one kept alive by something else (an output the
+    script still holds) counts as released all the same.
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
@@ -45,6 +54,9 @@ class _SavedActivations:
         self._seen: set[tuple[str, int, int]] = set()
         self._param_keys: set[tuple[str, int, int]] = set()
         self._bytes = 0.0
+        self.track_release = False
+        self._packed: dict[tuple[str, int, int], float] = {}
+        self._released = 0.0
         self._context: contextlib.AbstractContextManager | None = None
         self.param_storages: Any = lambda module: set()
         """The engine's: storage keys a module holds as parameters beside its own."""
@@ -74,12 +86,21 @@ class _SavedActivations:
         key = storage_key(tensor)
         if key is not None and key not in self._seen and key not in self._param_keys:
             self._seen.add(key)
-            self._bytes += float(tensor.untyped_storage().nbytes())
+            nbytes = float(tensor.untyped_storage().nbytes())
+            self._bytes += nbytes
+            if self.track_release:
+                self._packed[key] = nbytes
         return tensor
 
-    @staticmethod
-    def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    def _unpack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.track_release and self._packed:
+            self._released += self._packed.pop(storage_key(tensor), 0.0)
         return tensor
+
+    def held(self) -> float:
+        """Bytes saved for backward now: packed by the last training forward (or the one
+        running) less those its backward has unpacked (each storage once)."""
+        return self._bytes - self._released
 
     def _begin(self, module: torch.nn.Module, args: Any) -> None:
         if not torch.is_grad_enabled() or self._context is not None:
@@ -88,6 +109,8 @@ class _SavedActivations:
         self._param_keys |= self.param_storages(module)
         self._seen.clear()
         self._bytes = 0.0
+        self._packed.clear()
+        self._released = 0.0
         self._context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._context.__enter__()
 
@@ -130,6 +153,12 @@ class _SavedActivations:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        self.stop_tracking_release()
+
+    def stop_tracking_release(self) -> None:
+        """Back to counting the forward only (the steps after the timeline's)."""
+        self.track_release = False
+        self._packed.clear()
 
 
 class StepProbes:
@@ -142,11 +171,19 @@ class StepProbes:
 
     Per category the high-water is kept with the point it came from; per point the
     last breakdown is kept in ``phases``; ``largest_moment`` is the point where all
-    counted tensors together were largest.
+    counted tensors together were largest. ``timeline``
+    (:class:`~dpkit.memory.timeline.StepTimeline`) keeps every walk of the last step
+    recorded, with its own points in forward and backward (``record_timeline=False``:
+    none of them).
     """
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: Any, engine: Any, count_activations: bool = True
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        engine: Any,
+        count_activations: bool = True,
+        record_timeline: bool = True,
     ):
         self.model = model
         self.optimizer = optimizer
@@ -183,11 +220,32 @@ class StepProbes:
             post = torch_opt.register_step_post_hook(self._after_inner_step)
             self._removers += [pre.remove, post.remove]
         engine.install_probes(self, model, optimizer)
+        self.timeline: StepTimeline | None = None
+        if record_timeline:
+            self.timeline = StepTimeline(self, model, repeated_blocks(unwrap_module(model)))
+            if self.activations is not None:
+                self.activations.track_release = True
 
     def _after_inner_step(self, *_: Any) -> None:
         self.probe(self.point_name("optimizer_step_end"))
+        if self.timeline is not None:
+            self.timeline.optimizer_stepped()
         for done in self.inner_step_done:
             done()
+
+    def end_step(self, step: int | None = None) -> None:
+        """An optimizer step is over: its timeline is kept (``step``: the run's count)."""
+        if self.timeline is not None:
+            self.timeline.end_step(step)
+
+    def record(self, point: str) -> None:
+        """A timeline point: walk now and keep the figures in the timeline only (the
+        category high-waters and ``phases`` are the engine's probe points')."""
+        started = time.perf_counter()
+        snap = walk(self.engine, self.model, self.optimizer)
+        if self.timeline is not None:
+            self.timeline.add(point, snap, started)
+        self.probe_seconds += time.perf_counter() - started
 
     def add_remover(self, remover: Any) -> None:
         """A callable that takes an engine's probe out again (run by :meth:`remove`)."""
@@ -205,6 +263,8 @@ class StepProbes:
         )
 
     def probe(self, point: str, extra: Iterable[tuple[torch.Tensor, str, str]] = ()) -> None:
+        """Walk now at an engine's probe point: the category high-waters, ``phases``,
+        the largest moment and the timeline."""
         started = time.perf_counter()
         snap = walk(self.engine, self.model, self.optimizer, extra)
         self.phases[point] = {**{c: snap[c] for c in CATEGORIES}, "holders": snap["holders"]}
@@ -219,6 +279,8 @@ class StepProbes:
         total = sum(snap[c] for c in CATEGORIES)
         if total > self.largest_moment.get("total", -1.0):
             self.largest_moment = {"point": point, "total": total, **self.phases[point]}
+        if self.timeline is not None:
+            self.timeline.add(point, snap, started)
         self.probe_seconds += time.perf_counter() - started
 
     def reset(self) -> None:
@@ -238,8 +300,12 @@ class StepProbes:
 
     def remove(self, keep_activations: bool = False) -> None:
         """Take the walks out of the step (and the activation count, unless kept)."""
+        if self.timeline is not None and self.timeline.in_progress:
+            self.end_step()  # a step recorded up to here is still the timeline
         for remover in reversed(self._removers):
             remover()
         self._removers.clear()
-        if self.activations is not None and not keep_activations:
-            self.activations.remove()
+        if self.activations is not None:
+            self.activations.stop_tracking_release()
+            if not keep_activations:
+                self.activations.remove()

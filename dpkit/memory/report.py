@@ -24,7 +24,8 @@ from dpkit.memory.analytic import (
 from dpkit.memory.categories import MODEL_STATES, PARTITION_SHARE
 
 MIB = 1024.0**2
-SCHEMA_VERSION = 1
+# 2: each rank's row has a ``timeline`` (docs/memory.md).
+SCHEMA_VERSION = 2
 # Buffers below this share of the predicted model states (DDP's 8 KiB of module
 # buffers) are in the rows and the JSON but not called out as a residual.
 BUFFER_NOTE_PCT = 0.1

@@ -147,6 +147,10 @@ def measure_rank(
     # The batch shapes behind that figure: dpkit plan --against plans for the high-water's.
     row["activation_batch"] = activations.batch_record() if activations is not None else None
     row["probe_seconds"] = probes.probe_seconds if probes is not None else 0.0
+    timeline = getattr(probes, "timeline", None) if probes is not None else None
+    recorded = timeline.current() if timeline is not None else None
+    if recorded is not None:
+        row["timeline"] = recorded
     # False once MemoryTracker.step_done took them off: later steps ran without them.
     row["probes_in_place"] = probes is not None and probes.installed
     device = getattr(accelerator, "device", None)
@@ -248,6 +252,8 @@ class MemoryTracker:
         activation count (a saved-tensor hook, a few ms a step) stays: batches of
         another length (dynamic padding) save more or less for backward."""
         self._steps_seen += 1
+        if self.probes is not None and self.probes.installed:
+            self.probes.end_step(step)
         if (
             self.probes is not None
             and self.probe_steps > 0
@@ -331,12 +337,13 @@ class MemoryTracker:
 
     def write_report(self, path: str | Path | None, step: int | None = None) -> MemoryReport | None:
         """:meth:`report`, then on the main process: saved as JSON at ``path`` (None: not
-        saved), printed as a table, and logged under ``memory/*`` to the accelerator's
+        saved) with the timeline chart beside it (``memory_timeline.png``), printed as a table, and logged under ``memory/*`` to the accelerator's
         trackers."""
         report = self.report(step)
         if report is not None:
             if path is not None:
                 report.save(path)
+                write_timeline_next_to(report, Path(path))
             logger.info("memory per rank\n%s", report.format_table())
             self.accelerator.log(report.tracker_scalars(), step=step)
         return report
@@ -367,6 +374,18 @@ def model_record(
     record["micro_batch_size"] = int(micro_batch_size)
     record["gradient_accumulation_steps"] = int(gradient_accumulation_steps)
     return record
+
+
+def write_timeline_next_to(report: MemoryReport, report_path: Path) -> Path | None:
+    """``memory_timeline.png`` beside a saved report, when its ranks recorded a timeline
+    (main process only; the chart is drawn from the report's JSON, as ``dpkit report``
+    draws it)."""
+    from dpkit.memory.chart import CHART_FILE, has_timeline, write_timeline_chart
+
+    data = report.to_dict()
+    if not has_timeline(data):
+        return None
+    return write_timeline_chart(data, report_path.with_name(CHART_FILE))
 
 
 def _is_main(accelerator: Any) -> bool:

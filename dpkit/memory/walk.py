@@ -26,6 +26,8 @@ from dpkit.memory.categories import CATEGORIES
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (an FSDP2 parameter, gradient or Adam moment),
     whose own storage reports the whole tensor's size; any other tensor as it is."""
+    if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+        return tensor  # the common case, without the import: a timeline walks per block
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -33,7 +35,11 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
     """A key for the tensor's storage, or None for tensors without memory (meta, empty)."""
-    tensor = local_shard(tensor)
+    return _local_storage_key(local_shard(tensor))
+
+
+def _local_storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
+    """:func:`storage_key` of a tensor that is already a local shard (or a plain tensor)."""
     if tensor.is_sparse or tensor.device.type == "meta":
         return None
     try:
@@ -62,7 +68,7 @@ class Ledger:
         if not isinstance(tensor, torch.Tensor):
             return False
         tensor = local_shard(tensor)
-        key = storage_key(tensor)
+        key = _local_storage_key(tensor)
         if key is None or key in self._owner:
             return False
         self._owner[key] = category

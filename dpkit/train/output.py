@@ -12,7 +12,8 @@ Layout of ``<output_dir>``::
     train_summary.json  at the end of training: the last step, how many steps were
                         skipped (they count toward the steps), the final loss scale
     metrics.jsonl       one line per evaluation
-    memory_report.json  the per-rank memory report
+    memory_report.json  the per-rank memory report, with each rank's timeline of one step
+    memory_timeline.png that timeline as a chart (``dpkit report RUN_DIR`` draws it again)
     model/              the final model (save_pretrained, safetensors, fp32) and tokenizer
     checkpoints/        the full training state every --save-steps (see dpkit.checkpoints)
 
@@ -38,6 +39,7 @@ _RUN_FILES = (
     "train_summary.json",
     "metrics.jsonl",
     "memory_report.json",
+    "memory_timeline.png",
 )
 
 

@@ -20,24 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from dpkit.errors import UsageError
-
-
-def _module_classes(model: Any) -> set[str]:
-    return {type(m).__name__ for m in model.modules()}
-
-
-def _repeated_block_class(model: Any) -> str | None:
-    """The class of the longest ``nn.ModuleList`` of two or more same-class blocks."""
-    import torch
-
-    best: tuple[int, str] | None = None
-    for module in model.modules():
-        if not isinstance(module, torch.nn.ModuleList) or len(module) < 2:
-            continue
-        classes = {type(child).__name__ for child in module}
-        if len(classes) == 1 and (best is None or len(module) > best[0]):
-            best = (len(module), classes.pop())
-    return None if best is None else best[1]
+from dpkit.models import block_class_names
 
 
 def layer_classes(model: Any, override: Sequence[str] = (), *, asked_by: str) -> tuple[str, ...]:
@@ -51,7 +34,7 @@ def layer_classes(model: Any, override: Sequence[str] = (), *, asked_by: str) ->
         asked_by: what asked for FSDP2, for the message (``--strategy=fsdp2_full_shard``,
             or the accelerate launch that did).
     """
-    present = _module_classes(model)
+    present = {type(m).__name__ for m in model.modules()}
     model_name = type(model).__name__
     if override:
         missing = [name for name in override if name not in present]
@@ -60,14 +43,9 @@ def layer_classes(model: Any, override: Sequence[str] = (), *, asked_by: str) ->
                 f"--fsdp-layer-classes={','.join(override)}: no {missing[0]} module in {model_name}"
             )
         return tuple(override)
-    # A list on the class, a set on an instance (transformers 5): sorted, for the log.
-    declared = sorted(name for name in (getattr(model, "_no_split_modules", None) or []) if name)
-    found = tuple(name for name in declared if name in present)
+    found = block_class_names(model)
     if found:
         return found
-    repeated = _repeated_block_class(model)
-    if repeated is not None:
-        return (repeated,)
     raise UsageError(
         f"{asked_by}: {model_name} has no recognisable layer list "
         "(no _no_split_modules, no list of repeated blocks); name its block class with "
