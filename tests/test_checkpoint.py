@@ -282,36 +282,31 @@ def test_a_resume_into_another_model_or_label_set_is_refused_before_anything_sta
         "sentence-transformers/all-MiniLM-L6-v2"  # the recipe's default --model, as named
     )
     other = local_models.build("roberta", tmp_path / "roberta")
-    batch = ["--micro-batch-size", "16", "--gradient-accumulation-steps", "2"]  # global 32
-    out = tmp_path / "run"
-    result = run(
-        python_cmd(*CK_RUN, *batch, "--model", str(other), "--resume", str(ckpt),
-                   "--output-dir", str(out)),
-    )  # fmt: skip
-    assert_refused(
-        result,
-        f"--resume={str(ckpt)!r}: the checkpoint was trained from "
-        f"'sentence-transformers/all-MiniLM-L6-v2', this run names {str(other)!r}",
-        out,
-        exit_code=2,
-    )
     three = tmp_path / "three.csv"
     with open(three, "w", newline="") as f:
         rows = [("text", "label")] + [
             (f"review {i}", ("neg", "mid", "pos")[i % 3]) for i in range(90)
         ]
         csv.writer(f).writerows(rows)
-    result = run(
-        python_cmd(*CK_RUN, *batch, "--dataset", str(three), "--resume", str(ckpt),
-                   "--output-dir", str(out)),
-    )  # fmt: skip
-    assert_refused(
-        result,
-        f"--resume={str(ckpt)!r}: the checkpoint classifies into 2 labels (rotten, fresh), "
-        "this run's data into 3 (mid, neg, pos)",
-        out,
-        exit_code=2,
-    )
+    cases = [
+        (
+            ["--model", str(other)],
+            "the checkpoint was trained from 'sentence-transformers/all-MiniLM-L6-v2', "
+            f"this run names {str(other)!r}",
+        ),
+        (
+            ["--dataset", str(three)],
+            "the checkpoint classifies into 2 labels (rotten, fresh), this run's data into 3 "
+            "(mid, neg, pos)",
+        ),
+    ]
+    batch = ["--micro-batch-size", "16", "--gradient-accumulation-steps", "2"]  # global 32
+    out = tmp_path / "run"
+    for flags, message in cases:
+        result = run(
+            python_cmd(*CK_RUN, *batch, *flags, "--resume", str(ckpt), "--output-dir", str(out))
+        )
+        assert_refused(result, f"--resume={str(ckpt)!r}: {message}", out, exit_code=2)
 
 
 def test_dpkit_checkpoint_consolidates_to_its_model_files(reference, tmp_path):
