@@ -140,6 +140,94 @@ def test_the_plan_and_the_speed_targets_are_checked_on_wall_and_cpu_time():
     assert _checks({"ddp": trainer}) == {}
 
 
+def test_gradient_checkpointing_is_checked_against_the_plain_run():
+    """``dpkit bench --gradient-checkpointing``: per strategy, the checkpointed losses equal
+    the plain ones within the precision's tolerance, activations fall, are planned within
+    15% (docs/plan.md), and the step costs at most 1.5x (one forward recomputed: about a
+    third more compute, 1.33x, expected)."""
+    row = {
+        "loss_max_rel_dev": 0.0, "activations_bytes": 400.0,
+        "checkpointed_activations_bytes": 50.0, "plan_activations_error_pct": -14.9,
+        "step_time_ratio": 1.5, "step_cpu_ratio": 1.6,
+    }  # fmt: skip
+    found = {
+        (c["strategy"], c["check"]): (c["ok"], c["ok_cpu"], c["value"], c["value_cpu"])
+        for c in bench_results.checkpointing_checks({"zero2": row}, "fp32")
+    }
+    assert found == {
+        ("zero2", "checkpointed losses = plain (rel <= 0.002)"): (True, None, 0.0, None),
+        ("zero2", "checkpointed activations / plain < 1"): (True, None, 50.0 / 400.0, None),
+        ("zero2", "checkpointed activations within 15% of dpkit plan (error %)"): (
+            True, None, -14.9, None,
+        ),
+        ("zero2", "checkpointed/plain step time <= 1.5"): (True, False, 1.5, 1.6),
+    }  # fmt: skip
+    worse = row | {
+        "loss_max_rel_dev": 0.003, "checkpointed_activations_bytes": 400.0,
+        "plan_activations_error_pct": 15.1, "step_time_ratio": 1.51, "step_cpu_ratio": None,
+    }  # fmt: skip
+    checks = bench_results.checkpointing_checks({"ddp": worse}, "fp32")
+    assert [c["ok"] for c in checks] == [False, False, False, False]
+    # In bf16 the tolerance is bf16's: 0.003 holds.
+    (loss, *_) = bench_results.checkpointing_checks({"ddp": worse}, "bf16")
+    assert (loss["check"], loss["ok"]) == ("checkpointed losses = plain (rel <= 0.015625)", True)
+
+
+def test_the_checkpointing_cost_is_each_repeats_ratio_to_its_plain_run():
+    """Two repeats: plain 0.2 and 0.5 s a step, checkpointed 0.26 and 0.7 s (1.3x, 1.4x:
+    median 1.35x); CPU 0.4 -> 0.6 s in repeat 1 only; activations of the worst rank (rank
+    1: 300 and 40 bytes); losses 2.0 -> 2.002 at most (1e-3 relative to the plain run)."""
+
+    def run(step: float, cpu: float | None, activations: list, losses: list, error=None) -> dict:
+        memory = {"ranks": [{"activations": a} for a in activations]}
+        plan = {"error_pct": {} if error is None else {"activations": error}}
+        return {
+            "median_step_time_s": step, "median_step_cpu_s": cpu, "memory": memory,
+            "plan": plan, "losses": losses,
+        }  # fmt: skip
+
+    runs = {
+        "zero2": run(0.2, 0.4, [250.0, 300.0], [4.0, 2.0]),
+        "zero2_checkpointed": run(0.26, 0.6, [40.0, 40.0], [4.0, 2.002], error=2.5),
+        "zero2.r2": run(0.5, None, [250.0, 300.0], [4.0, 2.0]),
+        "zero2_checkpointed.r2": run(0.7, None, [40.0, 40.0], [4.0, 2.0], error=2.5),
+    }
+    cost = bench_results.checkpointing_cost(get_strategy("zero2"), runs)
+    assert cost["step_time_ratio_repeats"] == pytest.approx([1.3, 1.4])
+    assert cost["step_time_ratio"] == pytest.approx(1.35)
+    assert cost["step_cpu_ratio"] == pytest.approx(1.5)
+    assert (cost["activations_bytes"], cost["checkpointed_activations_bytes"]) == (300.0, 40.0)
+    assert cost["loss_max_rel_dev"] == pytest.approx(0.002 / 2.0)
+    assert cost["plan_activations_error_pct"] == 2.5
+
+
+def test_gradient_checkpointing_adds_a_checkpointed_run_beside_each_dpkit_run(tmp_path):
+    """The LM bench with --gradient-checkpointing: after each strategy's dpkit run, the same
+    run with --gradient-checkpointing, then the baseline; the classification workload
+    refuses the flag (its Trainer baseline would not be checkpointed)."""
+    from dpkit.bench import cli as bench_cli
+
+    settings = {
+        "workload": "lm", "strategies": ["ddp", "zero2"], "repeats": 1, "bare": True,
+        "nproc": 2, "gradient_checkpointing": True, "model_config": None, "size": "tiny",
+        "synthetic": True, "seq_len": 32, "micro_batch_size": 2, "total_steps": 3,
+        "mixed_precision": "no", "zero_overrides": {},
+    }  # fmt: skip
+    phases = launch.plan_phases(settings, tmp_path)
+    names = [p.name for p in phases]
+    assert names[:6] == [
+        "ddp", "ddp_checkpointed", "bare_ddp", "zero2", "zero2_checkpointed", "bare_zero2",
+    ]  # fmt: skip
+    for phase in phases:
+        assert phase.checkpointed is phase.name.endswith("_checkpointed")
+        assert ("--gradient-checkpointing" in phase.cmd) is phase.checkpointed, phase.name
+    parser = __import__("argparse").ArgumentParser()
+    bench_cli.add_arguments(parser)
+    args = parser.parse_args(["--workload", "classification", "--gradient-checkpointing"])
+    with pytest.raises(bench_cli.UsageError, match="^--gradient-checkpointing=True: "):
+        bench_cli.bench_settings(args, 0)
+
+
 # ---- one run's records ------------------------------------------------------------------------
 
 

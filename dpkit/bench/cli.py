@@ -97,6 +97,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "autocast, the bare DeepSpeed runs DeepSpeed's bf16 section",
     )
     parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="lm: also run each strategy's dpkit run with --gradient-checkpointing, next to "
+        "it: activations and step time with and without",
+    )
+    parser.add_argument(
         "--seq-len",
         type=int,
         default=None,
@@ -189,11 +195,12 @@ def bench_settings(args: argparse.Namespace, gpu_count: int) -> dict:
             ("--size", args.size),
             ("--model-config", args.model_config),
             ("--synthetic", args.synthetic or None),
+            ("--gradient-checkpointing", args.gradient_checkpointing or None),
         ):
             if value is not None:
                 raise UsageError(
                     f"{flag}={value!r}: the classification workload runs MiniLM on Rotten "
-                    "Tomatoes; model flags are for --workload lm"
+                    "Tomatoes; model flags (and --gradient-checkpointing) are for --workload lm"
                 )
     repeats = args.repeats
     if repeats is None:
@@ -257,6 +264,7 @@ def bench_settings(args: argparse.Namespace, gpu_count: int) -> dict:
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
         "mixed_precision": args.mixed_precision,
+        "gradient_checkpointing": bool(args.gradient_checkpointing),
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "total_steps": args.warmup + args.steps,

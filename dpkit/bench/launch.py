@@ -93,6 +93,9 @@ class Phase:
     """Its processes, where not the bench's (the compute floor runs one)."""
     repeat: int = 1
     """Which repeat of the pair (dpkit run, baseline) this is (``--repeats``)."""
+    checkpointed: bool = False
+    """dpkit's run again with ``--gradient-checkpointing`` (``dpkit bench
+    --gradient-checkpointing``): what checkpointing costs the step, beside the run."""
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):
@@ -103,6 +106,12 @@ def bare_run_name(strategy: str | Strategy) -> str:
     """The run name of ``strategy``'s bare twin, the run its step time is divided by:
     ``bare_ddp``, ``bare_zero1``, ``bare_zero2`` (keys of results.json's ``runs``)."""
     return f"bare_{get_strategy(strategy).name}"
+
+
+def checkpointed_run_name(strategy: str | Strategy) -> str:
+    """The run name of dpkit's run of ``strategy`` with gradient checkpointing:
+    ``ddp_checkpointed``, ``zero2_checkpointed``."""
+    return f"{get_strategy(strategy).name}_checkpointed"
 
 
 def trainer_run_name(strategy: str | Strategy) -> str:
@@ -165,9 +174,12 @@ def accelerate_config(
     return path
 
 
-def dpkit_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -> Phase:
-    """dpkit's recipe for ``strategy`` under ``accelerate launch``."""
-    name = repeat_name(strategy.name, repeat)
+def dpkit_phase(
+    strategy: Strategy, settings: dict, out: Path, repeat: int = 1, checkpointed: bool = False
+) -> Phase:
+    """dpkit's recipe for ``strategy`` under ``accelerate launch`` (``checkpointed``: with
+    ``--gradient-checkpointing``)."""
+    name = repeat_name(checkpointed_run_name(strategy) if checkpointed else strategy.name, repeat)
     run_dir = out / "runs" / name
     config = accelerate_config(strategy, settings["zero_overrides"], out)
     cmd = [
@@ -178,8 +190,12 @@ def dpkit_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) 
         str(resources.recipe("train_lm.py")), *workload_args(settings),
         "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir), "--overwrite-output-dir",
+        *(["--gradient-checkpointing"] if checkpointed else []),
     ]  # fmt: skip
-    return Phase(name, strategy, False, "accelerate launch", cmd, run_dir, repeat=repeat)
+    return Phase(
+        name, strategy, False, "accelerate launch", cmd, run_dir, repeat=repeat,
+        checkpointed=checkpointed,
+    )  # fmt: skip
 
 
 def bare_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -> Phase:
@@ -280,7 +296,8 @@ def trainer_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1
 def plan_phases(settings: dict, out: Path) -> list[Phase]:
     """Each dpkit run then its baseline (bare twin or Trainer), ``repeats`` times,
     strategy by strategy: the two runs whose step times are divided run next to each
-    other, under the same load of the machine."""
+    other, under the same load of the machine (with ``gradient_checkpointing``, dpkit's
+    checkpointed run comes between them)."""
     classification = settings["workload"] == "classification"
     phases = []
     for strategy in map(get_strategy, settings["strategies"]):
@@ -291,6 +308,8 @@ def plan_phases(settings: dict, out: Path) -> list[Phase]:
                     phases.append(trainer_phase(strategy, settings, out, repeat))
                 continue
             phases.append(dpkit_phase(strategy, settings, out, repeat))
+            if settings.get("gradient_checkpointing"):
+                phases.append(dpkit_phase(strategy, settings, out, repeat, checkpointed=True))
             if settings["bare"]:
                 phases.append(bare_phase(strategy, settings, out, repeat))
     if settings["nproc"] > 1 and settings["bare"]:

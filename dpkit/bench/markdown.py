@@ -167,6 +167,38 @@ def _gradient_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _checkpointing_lines(results: dict[str, Any]) -> list[str]:
+    """``--gradient-checkpointing``: each strategy's run against its checkpointed twin."""
+    rows = results.get("checkpointing")
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Gradient checkpointing (each strategy's dpkit run again with "
+        "`--gradient-checkpointing`, launched next to it): activations of the worst rank, "
+        "planned and measured; step time against the plain run (median of the repeats' "
+        "ratios; CPU time beside it); the largest relative loss difference.",
+        "",
+        "| strategy | activations (MiB) | checkpointed (MiB) | plan error | step time | loss dev. |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for strategy in result_strategies(results):
+        row = rows.get(strategy.name)
+        if row is None:
+            continue
+        error = row["plan_activations_error_pct"]
+        cells = [
+            strategy.label,
+            mib(row["activations_bytes"]),
+            mib(row["checkpointed_activations_bytes"]),
+            "-" if error is None else f"{error:+.1f}%",
+            _with_cpu(row["step_time_ratio"], row["step_cpu_ratio"]),
+            f"{row['loss_max_rel_dev']:.1e}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def _run_table(results: dict[str, Any]) -> list[str]:
     """Every run, dpkit's and bare: step times, rates, loss deviation, wall time."""
     runs, nproc = results["runs"], results["settings"]["nproc"]
@@ -392,6 +424,7 @@ def format_markdown(results: dict[str, Any]) -> str:
             *_header(results),
             *_strategy_table(results),
             *_gradient_lines(results),
+            *_checkpointing_lines(results),
             *_run_table(results),
             *_phase_table(results),
             *_trainer_lines(results),

@@ -33,6 +33,7 @@ from dpkit.bench.launch import (
     FLOOR_RUN,
     Phase,
     bare_run_name,
+    checkpointed_run_name,
     repeat_name,
     trainer_run_name,
 )
@@ -68,6 +69,11 @@ TARGET_THROUGHPUT_VS_DDP = 0.9
 TARGET_DPKIT_OVER_TRAINER = {"ddp": 0.97, "zero2": 0.90}
 # The planning issue's bound on dpkit plan's model-state total against the measurement.
 TARGET_PLAN_ERROR_PCT = 10.0
+# Gradient checkpointing (dpkit bench --gradient-checkpointing): the memory-levers issue's
+# bound on planned activations (docs/plan.md) and the step-time cost expected of one
+# recomputed forward (about a third more compute, 1.3x; checked at 1.5x).
+TARGET_ACTIVATION_ERROR_PCT = 15.0
+TARGET_CHECKPOINTING_STEP_TIME = 1.5
 
 
 def result_strategies(results: dict[str, Any]) -> list[Strategy]:
@@ -337,6 +343,31 @@ def compare(
     return row
 
 
+def checkpointing_cost(strategy: Strategy, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """What ``--gradient-checkpointing`` did to ``strategy``'s run: the step time and CPU
+    time against the plain run (median over the repeats of each pair's ratio, and every
+    pair's), the worst rank's activations in both, the checkpointed run's loss deviation
+    from the plain one and its plan error for activations."""
+    name = checkpointed_run_name(strategy)
+    run, plain = runs[name], runs[strategy.name]
+    wall = repeated_ratios(runs, name, strategy.name, "median_step_time_s")
+    cpu = repeated_ratios(runs, name, strategy.name, "median_step_cpu_s")
+
+    def activations(memory: dict[str, Any]) -> float | None:
+        values = [r["activations"] for r in memory["ranks"] if r["activations"] is not None]
+        return max(values) if values else None
+
+    return {
+        "step_time_ratio": statistics.median(wall) if wall else None,
+        "step_time_ratio_repeats": wall,
+        "step_cpu_ratio": statistics.median(cpu) if cpu else None,
+        "activations_bytes": activations(plain["memory"]),
+        "checkpointed_activations_bytes": activations(run["memory"]),
+        "loss_max_rel_dev": max_relative_deviation(run["losses"], plain["losses"]),
+        "plan_activations_error_pct": run["plan"]["error_pct"].get("activations"),
+    }
+
+
 def build_results(
     phases: list[Phase],
     walls: dict[str, float],
@@ -355,10 +386,17 @@ def build_results(
         else:
             collectives = read_json(phase.run_dir / COLLECTIVES_FILE)
             collectives["wall_s"] = walls[phase.name]
-    strategies = [p.strategy for p in phases if p.trains and not p.bare and p.repeat == 1]
+    strategies = [
+        p.strategy
+        for p in phases
+        if p.trains and not p.bare and not p.checkpointed and p.repeat == 1
+    ]
     first = runs[strategies[0].name]["memory"]
     num_params, precision = first["num_params"], first["precision"]
     comparison = {s.name: compare(s, runs, nproc, precision) for s in strategies}
+    checkpointing = {
+        s.name: checkpointing_cost(s, runs) for s in strategies if checkpointed_run_name(s) in runs
+    }
     return {
         "schema": 1,
         "command": command,
@@ -379,7 +417,9 @@ def build_results(
         "comparison": comparison,
         "phase_profile": phase_profile(runs),
         "collectives": collectives,
-        "checks": checks(comparison, nproc, precision),
+        "checks": checks(comparison, nproc, precision)
+        + checkpointing_checks(checkpointing, precision),
+        **({"checkpointing": checkpointing} if checkpointing else {}),
     }
 
 
@@ -406,6 +446,50 @@ def _speed_check(
 ) -> dict[str, Any]:
     """A speed check on the wall-time ratio and again on the CPU-time ratio."""
     return _check(check, strategy, value, holds(value), cpu, None if cpu is None else holds(cpu))
+
+
+def checkpointing_checks(
+    checkpointing: dict[str, dict[str, Any]], precision: str
+) -> list[dict[str, Any]]:
+    """Per strategy run with and without gradient checkpointing: the same losses (the
+    equivalence tolerance), fewer activations, planned within the tolerance, and the
+    step-time cost."""
+    found = []
+    rtol = loss_rtol(precision)
+    for name, row in checkpointing.items():
+        deviation = row["loss_max_rel_dev"]
+        found.append(
+            _check(
+                f"checkpointed losses = plain (rel <= {rtol:g})", name, deviation, deviation <= rtol
+            )
+        )
+        kept, full = row["checkpointed_activations_bytes"], row["activations_bytes"]
+        if kept is not None and full:
+            found.append(
+                _check("checkpointed activations / plain < 1", name, kept / full, kept < full)
+            )
+        error = row["plan_activations_error_pct"]
+        if error is not None:
+            found.append(
+                _check(
+                    f"checkpointed activations within {TARGET_ACTIVATION_ERROR_PCT:g}% of dpkit "
+                    "plan (error %)",
+                    name,
+                    error,
+                    abs(error) <= TARGET_ACTIVATION_ERROR_PCT,
+                )
+            )
+        if row["step_time_ratio"] is not None:
+            found.append(
+                _speed_check(
+                    f"checkpointed/plain step time <= {TARGET_CHECKPOINTING_STEP_TIME}",
+                    name,
+                    row["step_time_ratio"],
+                    row["step_cpu_ratio"],
+                    lambda ratio: ratio <= TARGET_CHECKPOINTING_STEP_TIME,
+                )
+            )
+    return found
 
 
 def checks(
