@@ -277,18 +277,21 @@ def test_the_plan_follows_zero2s_accumulation(tune_run):
     assert all(check.measured["master"] > 0 for check in checks.values())
 
 
-# The tune's FSDP2 prediction against the trial's counted peak on CPU: the plan adds the
-# root's whole gradients and one unit's reduce-scatter input (48.8 MiB here) to the whole
-# parameters, which the CPU probes do not see. Measured +15.9% (2 x 1) and +17.1% (1 x 2).
-FSDP2_PLAN_OVER_PCT = 20.0
+# The tune's prediction on CPU against what each trial counts (model states, buffers and
+# activations at their high-waters): the same figure, without the transients between probe
+# points that a GPU's peak holds (FSDP2's root whole gradients and reduce-scatter input,
+# 48.8 MiB here; the loss's logits peak). Measured: within 0.6% for every candidate (ZeRO-2
+# at 1 x 2: -0.6%); before, with the transients, FSDP2 was +15.9% and +17.1% and was
+# pruned under a budget its measured peak fitted.
+TUNE_PREDICTION_PCT = 2.0
 
 
 @pytest.mark.multiprocess
 def test_the_plan_predicts_fsdp2s_trials(tune_run):
     """``dpkit plan --against`` each FSDP2 trial: its model states as the plan lays them
     out (each parameter's dim 0 padded to a multiple of 2, none needed here), every
-    category, master's 0 included, and the total; the tune's prediction, which prunes,
-    bounds the trial's counted peak from above."""
+    category, master's 0 included, and the total; the tune's prediction, which prunes, is
+    every trial's counted figure."""
     _, out = tune_run
     results = _results(out)
     tolerance = dict.fromkeys((*MODEL_STATES, "total"), PLAN_EXACT_PCT)
@@ -297,9 +300,9 @@ def test_the_plan_predicts_fsdp2s_trials(tune_run):
         check = _check_every_category(out, name, tolerance)
         assert check.strategy == FSDP2
         assert check.measured["master"] == 0  # fp32 FSDP2 keeps no master copy
-        trial = _trial(results, name)
-        over = trial["predicted_bytes"] / _raw_peak(out, name) - 1
-        assert 0 < over <= FSDP2_PLAN_OVER_PCT / 100, (name, over)
+    for trial in results["trials"]:
+        error = trial["predicted_bytes"] / _raw_peak(out, trial["name"]) - 1
+        assert abs(error) <= TUNE_PREDICTION_PCT / 100, (trial["name"], error)
 
 
 @pytest.mark.multiprocess

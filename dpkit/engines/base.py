@@ -307,6 +307,12 @@ class Engine:
         """A note under the plan's table on what one row of this backend holds ("" for none)."""
         return ""
 
+    def unprobed_buffer_parts(self, strategy: Strategy) -> tuple[str, ...]:
+        """The plan's buffer parts (:meth:`buffer_bytes`) of ``strategy`` that live only
+        between the memory report's probe points, so that a run's counted tensors never
+        include them (a GPU's allocator peak does)."""
+        return ()
+
     def why(self, strategy: Strategy, row: Any, inputs: PlanInputs) -> str:
         """What choosing ``strategy`` buys and costs, for the plan's recommendation."""
         raise NotImplementedError

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dpkit.engines import ENGINES
 from dpkit.memory.analytic import canonical_precision, model_state_bytes, paper_grad_bytes
-from dpkit.plan.activations import ActivationProfile
+from dpkit.plan.activations import ActivationProfile, saved_bytes
 from dpkit.plan.inputs import ModelSpec, PlanInputs
 from dpkit.strategy import Strategy, get_strategy
 
@@ -109,6 +109,18 @@ class StrategyEstimate:
     @property
     def model_states(self) -> float:
         return self.params + self.grads + self.optimizer + self.master
+
+    @property
+    def probed(self) -> float:
+        """What a run's memory probes count at their high-waters (a CPU run's memory
+        figure, which ``dpkit tune`` holds to a budget there): the model states, the
+        buffers the probes see and the activations a forward saves; not the transients
+        that live between probe points (the loss's logits peak, the layer recomputed under
+        checkpointing, FSDP2's whole gradients and reduce-scatter input in backward)."""
+        strategy = get_strategy(self.strategy)
+        unprobed = strategy.engine.unprobed_buffer_parts(strategy)
+        buffers = sum(v for k, v in self.buffer_parts.items() if k not in unprobed)
+        return self.model_states + buffers + saved_bytes(self.activation_parts)
 
     @property
     def total(self) -> float:

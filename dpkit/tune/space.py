@@ -179,11 +179,18 @@ class MemoryPlan:
             settings.plan_model or {}, f"--recipe={settings.recipe.path.name}"
         )
         self.precision = canonical_precision(settings.precision)
-        self.activations = activation_profile(self.spec, self.seq_len, self.precision, False)
+        # The trials' kernels: a CPU saves other tensors for backward than a GPU does.
+        self.activations = activation_profile(
+            self.spec, self.seq_len, self.precision, False, device=settings.device
+        )
 
     def predict(self, candidate: Candidate) -> float:
-        """Predicted peak bytes per rank (the plan's total, no reserve, no headroom)."""
-        return float(self.estimate(candidate).total)
+        """Predicted bytes per rank of what a trial measures: on CUDA its peak (the plan's
+        total, no reserve, no headroom); on CPU the counted tensors at their high-waters
+        (:attr:`~dpkit.plan.estimate.StrategyEstimate.probed`), without the transients
+        between probe points that the plan adds to a GPU's peak."""
+        row = self.estimate(candidate)
+        return float(row.total if self.settings.device == "cuda" else row.probed)
 
     def estimate(self, candidate: Candidate) -> StrategyEstimate:
         """``dpkit plan``'s row (:class:`~dpkit.plan.estimate.StrategyEstimate`) for the

@@ -65,7 +65,10 @@ def _fsdp_launch(env: Mapping[str, str]) -> bool | None:
     for variable, (name, off) in _FSDP_SETTINGS_OFF.items():
         value = env.get(variable, off).lower()
         if value != off:
-            raise UsageError(f"accelerate config {name}={value}: dpkit's FSDP2 does not apply it")
+            hint = "; use --gradient-checkpointing" if "checkpointing" in name else ""
+            raise UsageError(
+                f"accelerate config {name}={value}: dpkit's FSDP2 does not apply it{hint}"
+            )
     policy = env.get("FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP")
     if policy.upper() != "TRANSFORMER_BASED_WRAP":
         raise UsageError(
@@ -276,6 +279,13 @@ class FSDP2Engine(Engine):
 
     def plan_row_note(self, row: Any) -> str:
         return plan.row_note(row)
+
+    def unprobed_buffer_parts(self, strategy: Any) -> tuple[str, ...]:
+        # A unit's whole gradients and its reduce-scatter input exist inside its backward
+        # only (docs/limits.md); shard-grad-op's whole parameters are seen at the end of
+        # forward, full-shard's are gathered again inside backward.
+        backward = ("fsdp2_root_whole_grads", "fsdp2_reduce_scatter")
+        return (*backward, "fsdp2_whole_params") if strategy.reshard_after_forward else backward
 
     def why(self, strategy: Any, row: Any, inputs: Any) -> str:
         return plan.why(strategy, row, inputs)
