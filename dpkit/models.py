@@ -224,6 +224,40 @@ def repeated_blocks(model: Any) -> list[Any]:
     ]
 
 
+def check_gradient_checkpointing(model: Any) -> None:
+    """Refuse, in one line (:class:`~dpkit.errors.UsageError`), a model that cannot be
+    checkpointed: one that is not a transformers model, or whose class declares no support.
+    Works on a meta-device copy (what a recipe checks before loading the weights)."""
+    name = type(model).__name__
+    if not hasattr(model, "activation_checkpointing_enable"):
+        raise UsageError(
+            f"--gradient-checkpointing=True: {name} is not a transformers model; checkpoint its "
+            "blocks with torch.utils.checkpoint in its own forward instead"
+        )
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise UsageError(
+            f"--gradient-checkpointing=True: {name} does not support gradient checkpointing "
+            "(transformers' supports_gradient_checkpointing is False)"
+        )
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute each layer's activations in backward instead of keeping them:
+    transformers' ``activation_checkpointing_enable``, non-reentrant (the variant DDP,
+    DeepSpeed ZeRO and FSDP2 all run, torch's recommended one; its forward keeps each
+    layer's inputs and nothing inside the layer). A model that cannot is refused first
+    (:func:`check_gradient_checkpointing`)."""
+    check_gradient_checkpointing(model)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def is_gradient_checkpointing(model: Any) -> bool:
+    """Whether ``model`` (unwrapped) recomputes its layers in backward: transformers'
+    flag, set by :func:`enable_gradient_checkpointing` or by the Trainer's
+    ``gradient_checkpointing=True``."""
+    return bool(getattr(model, "is_activation_checkpointing", False))
+
+
 def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     """The recipes' two optimizer groups: matrices and embeddings decay, biases and norm
     weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order.

@@ -1,22 +1,23 @@
 """A tiny GPT-2 trained a few steps through dpkit's public API, or as a plain one-process
 fp32 reference: the runs behind tests/test_numerics.py (test-only, not shipped).
 
-    torchrun --nproc_per_node 2 tests/numerics_script.py --runs ddp:no,zero2:bf16 OUT
+    torchrun --nproc_per_node 2 tests/numerics_script.py --runs ddp:no,zero2:bf16,ddp:no:gc OUT
     python tests/numerics_script.py --reference OUT
 
 Under dpkit the loop is a user's own accelerate loop, as the README shows it:
 ``dpkit.setup``, ``run.make_optimizer``, ``run.prepare`` (FSDP2's sharding, the wrapping
 and the post-wrap checks), then ``accumulate``/``backward``/clip/step. ``--runs`` lists
-``strategy:precision`` pairs, run one after the other in the same processes (start-up is
+``strategy:precision`` pairs (``strategy:precision:gc``: with gradient checkpointing), run one after the other in the same processes (start-up is
 most of a tiny run's cost): the process group stays up, accelerate's singletons are reset
 between runs. The reference shares nothing of that: one process, no dpkit, no accelerate,
 no DeepSpeed; torch's AdamW and ``clip_grad_norm_`` on the plain model, the global batch
 accumulated by hand. Both build the same model and data from the same seeds.
 
-Writes to OUT (a run: OUT/<strategy>-<precision>): ``losses.json`` (per optimizer step,
-the loss averaged over every micro-batch of the global batch; then the trained model's
-loss on the first global batch), a run's ``run_info.json`` (``run.info``: what
-``run.prepare`` checked) and, from the first backward, ``grads-rank<r>.pt``: FSDP2, each rank's fp32 gradient shards
+Writes to OUT (a run: OUT/<strategy>-<precision>[-gc]): ``losses.json`` (per optimizer
+step, the loss averaged over every micro-batch of the global batch; then the trained
+model's loss on the first global batch; and how often rank 0's first attention ran while
+training), a run's ``run_info.json`` (``run.info``: what ``run.prepare`` checked) and
+``memory_report.json`` (``run.memory``'s report, every rank) and, from the first backward, ``grads-rank<r>.pt``: FSDP2, each rank's fp32 gradient shards
 (``{name: local tensor}``); the reference, the whole gradient after the micro-batches a
 2-rank run's first backward covers. FSDP2 in bf16 also writes
 ``plain-bf16-grads-rank<r>.pt``: the rank's own unreduced gradient of the same
@@ -116,7 +117,7 @@ def plain_bf16_gradient(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def with_dpkit(out: Path, strategy: str, precision: str) -> Any:
+def with_dpkit(out: Path, strategy: str, precision: str, checkpointing: bool = False) -> Any:
     """A user's accelerate loop on dpkit, ``ACCUMULATION`` micro-batches per rank per step;
     returns the Accelerator (its process group still up)."""
     from torch.utils.data import DataLoader
@@ -124,7 +125,15 @@ def with_dpkit(out: Path, strategy: str, precision: str) -> Any:
     import dpkit
 
     model = build_model()
-    args = dpkit.StrategyConfig(strategy=strategy, mixed_precision=precision)
+    # Calls of the first block's attention while training: a checkpointed block runs it
+    # again in backward (its module hooks stay outside the checkpoint, the attention's not).
+    attention_calls = [0]
+    model.transformer.h[0].attn.register_forward_hook(
+        lambda *_: attention_calls.__setitem__(0, attention_calls[0] + 1)
+    )
+    args = dpkit.StrategyConfig(
+        strategy=strategy, mixed_precision=precision, gradient_checkpointing=checkpointing
+    )
     run = dpkit.setup(
         args,
         model=model,
@@ -164,13 +173,17 @@ def with_dpkit(out: Path, strategy: str, precision: str) -> Any:
         if accelerator.sync_gradients:
             losses.append(sum(step_losses) / len(step_losses))
             step_losses = []
+    training_attention_calls = attention_calls[0]
+    report = run.memory.report(step=STEPS)  # every rank's, on the main process
     model.eval()
     with torch.no_grad():
         first = token_rows().split(MICRO)[: RANKS * ACCUMULATION]
         final = sum(_loss(model, ids).item() for ids in first) / len(first)
     if accelerator.is_main_process:
-        (out / "losses.json").write_text(json.dumps({"train": losses, "final": final}))
+        record = {"train": losses, "final": final, "attention_calls": training_attention_calls}
+        (out / "losses.json").write_text(json.dumps(record))
         (out / "run_info.json").write_text(json.dumps(info.as_dict()))
+        report.save(out / "memory_report.json")
     accelerator.wait_for_everyone()
     return accelerator
 
@@ -190,12 +203,13 @@ def main(argv: list[str]) -> None:
     if "--reference" in argv:
         reference(out)
         return
+    # strategy:precision, or strategy:precision:gc (gradient checkpointing)
     runs = [pair.split(":") for pair in argv[argv.index("--runs") + 1].split(",")]
-    for index, (strategy, precision) in enumerate(runs):
+    for index, (strategy, precision, *lever) in enumerate(runs):
         environ = dict(os.environ)  # what dpkit and accelerate set for this run goes after it
-        folder = out / f"{strategy}-{precision}"
+        folder = out / "-".join([strategy, precision, *lever])
         folder.mkdir(exist_ok=True)
-        accelerator = with_dpkit(folder, strategy, precision)
+        accelerator = with_dpkit(folder, strategy, precision, checkpointing=lever == ["gc"])
         if index == len(runs) - 1:
             accelerator.end_training()  # destroys the process group
             break

@@ -45,6 +45,9 @@ def test_launch_form_runs_what_it_says(launched, name):
     assert info["distributed_type"] == distributed_type
     assert info["backend"] == backend
     assert info["global_batch_size"] == 16 * world_size
+    # tests/recipe_runs.py: the DeepSpeed launcher's form also asks for checkpointing.
+    assert info["gradient_checkpointing"] is (name == "deepspeed_zero2")
+    assert ("| gradient checkpointing" in result.output) is (name == "deepspeed_zero2")
     if strategy == "ddp" and world_size > 1:
         assert info["wrapper"] == "DistributedDataParallel"
         assert info["ddp_forward_sync_buffers"] is False  # MiniLM's buffers are constants

@@ -120,12 +120,17 @@ def test_zero2_worst_rank_holds_its_partition_after_reduction(reports):
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp2"])
 def test_activations_return_to_about_zero_after_backward(reports, strategy):
+    checkpointed = reports[strategy]["gradient_checkpointing"]
+    # The ZeRO-2 run is the DeepSpeed launcher's form, which checkpoints (tests/recipe_runs.py).
+    assert checkpointed is (strategy == "zero2")
     for row in reports[strategy]["ranks"]:
         points = _points(row)
         at_forward_end = _first(row, "forward_end")["activations"]
         # 16 sequences x 32 or 64 tokens x 384 x 4 bytes = 0.75-1.5 MiB per saved hidden
-        # state, and each of six layers saves several: tens of MiB at the end of forward.
-        assert at_forward_end > 20 * 2**20
+        # state, and each of six layers saves several: tens of MiB at the end of forward;
+        # checkpointed, each layer keeps its input only: 6 x 0.75-1.5 MiB and the
+        # embeddings' few (measured 10.6 MiB).
+        assert at_forward_end > (4 if checkpointed else 20) * 2**20
         last_backward = max(i for i, p in enumerate(points) if p["phase"] == "backward")
         for point in points[last_backward:]:
             # About 0: every saved storage unpacked by the backward; 1% would leave room

@@ -390,6 +390,7 @@ def test_the_json_gives_whole_bytes():
         "grads_paper_bytes": MIB // 2,
         "grads_where": "rank 1, step, group 0 (flat copy of the partition)",
         "planned_batch": "", "not_predicted": {}, "logits_peak_bytes": 0,
+        "gradient_checkpointing": False, "recomputed_layer_bytes": 0, "activation_method": "",
     }  # fmt: skip
 
 

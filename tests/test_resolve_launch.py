@@ -208,7 +208,7 @@ def test_the_layer_classes_an_fsdp_launch_names():
         pytest.param(
             "auto", None, {**ACCELERATE_FSDP2, "FSDP_ACTIVATION_CHECKPOINTING": "true"},
             "accelerate config fsdp_activation_checkpointing=true: dpkit's FSDP2 does not "
-            "apply it",
+            "apply it; use --gradient-checkpointing",
             id="activation-checkpointing",
         ),
         pytest.param(

@@ -433,6 +433,33 @@ def _check_the_memory_scalars_go_out_with_the_reporting_steps_logs(reported_run)
     assert not [key for key in summary if key.startswith("memory/")], summary
 
 
+def test_the_trainers_gradient_checkpointing_is_recorded_and_planned(tmp_path):
+    """The Trainer's own ``activation_checkpointing=True`` (or its older name,
+    ``gradient_checkpointing``; the Trainer checkpoints the model itself): the report
+    records it from the model, and ``dpkit plan --against`` plans the
+    checkpointed forward, within the 15% docs/plan.md states of what the run kept."""
+    import json
+
+    from dpkit.integrations.transformers import MemoryReportCallback
+    from dpkit.plan.check import check_run
+
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=4,
+        activation_checkpointing=True, logging_steps=100, report_to="none", save_strategy="no",
+        disable_tqdm=True,
+    )  # fmt: skip
+    callback = MemoryReportCallback(model_name="tiny-bert")
+    trainer = Trainer(
+        model=_tiny_bert(), args=args, train_dataset=_token_examples(8), callbacks=[callback]
+    )
+    trainer.train()
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert report["gradient_checkpointing"] is True
+    check = check_run(tmp_path)
+    assert check.gradient_checkpointing and check.activation_method == "trace"
+    assert abs(check.error_pct["activations"]) <= 15, (check.predicted, check.measured)
+
+
 # --- finding the Trainer, and going first in its callback list ----------------------------
 
 

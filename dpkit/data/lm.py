@@ -74,9 +74,13 @@ class LMWorkload:
     )
     """Named GPT-2-family shape from :data:`MODEL_SIZES`; ignored when ``model_config`` is set."""
     model_config: str | None = field(
-        default=None, metadata={"help": "A transformers config.json (causal LM) instead of --size."}
+        default=None,
+        metadata={
+            "help": "A transformers config.json (causal LM), or its folder, instead of --size."
+        },
     )
-    """Path to a ``config.json`` of any causal LM; the model is built from it with random weights."""
+    """Path to a ``config.json`` of any causal LM (or its folder); the model is built from it
+    with random weights."""
     synthetic: bool = field(
         default=False, metadata={"help": "Random token ids instead of Shakespeare bytes."}
     )
@@ -109,8 +113,14 @@ class LMWorkload:
         check_field(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         check_field(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "must be >= 0")
         check_field(0 <= self.dropout < 1, "dropout", self.dropout, "must be in [0, 1)")
-        if self.model_config is not None and not Path(self.model_config).is_file():
-            raise UsageError(f"--model-config={self.model_config!r}: no such file")
+        if self.model_config is not None:
+            # A config.json, or a folder holding one (what save_pretrained writes).
+            path = Path(self.model_config)
+            if not (path.is_file() or (path / "config.json").is_file()):
+                raise UsageError(
+                    f"--model-config={self.model_config!r}: no such file "
+                    "(a config.json, or a folder holding one)"
+                )
 
 
 # ---- model ----------------------------------------------------------------------------------

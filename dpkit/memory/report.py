@@ -66,6 +66,9 @@ class MemoryReport:
     largest_param: dict[str, Any] | None = None
     # Where ZeRO offloaded optimizer state and master weights (``cpu``), or None.
     offload_optimizer: str | None = None
+    # The model recomputed its layers in backward (activation checkpointing): the forward
+    # kept each layer's inputs only.
+    gradient_checkpointing: bool = False
     # What ``dpkit plan --against`` plans for, for a run without a recipe's run_config.json
     # (a Transformers Trainer run): dpkit.plan.inputs.spec_record of the live model, with
     # the optimizer's own parameter groups, and the micro-batch.
@@ -212,6 +215,7 @@ class MemoryReport:
             "settings": self.ranks[0].get("settings", {}),
             "largest_param": self.largest_param,
             "offload_optimizer": self.offload_optimizer,
+            "gradient_checkpointing": self.gradient_checkpointing,
             "notes": list(self.notes),
             **({"model": self.model} if self.model is not None else {}),
             **({"param_shapes": self.param_shapes} if self.param_shapes is not None else {}),
@@ -232,6 +236,7 @@ class MemoryReport:
             notes=list(data.get("notes", [])),
             largest_param=data.get("largest_param"),
             offload_optimizer=data.get("offload_optimizer"),
+            gradient_checkpointing=bool(data.get("gradient_checkpointing", False)),
             model=data.get("model"),
             param_shapes=data.get("param_shapes"),
         )

@@ -35,7 +35,7 @@ from dpkit.memory.peak import current_summary, peak_figures, reset_peak
 from dpkit.memory.probes import StepProbes
 from dpkit.memory.report import MemoryReport
 from dpkit.memory.walk import unwrap_module, walk
-from dpkit.models import count_parameters
+from dpkit.models import count_parameters, is_gradient_checkpointing
 from dpkit.strategy import Strategy, get_strategy
 
 logger = logging.getLogger(__name__)
@@ -322,6 +322,7 @@ class MemoryTracker:
             notes=notes,
             largest_param=largest_param(self.model),
             offload_optimizer=self.offload_optimizer,
+            gradient_checkpointing=is_gradient_checkpointing(unwrap_module(self.model)),
             param_shapes=(
                 param_shapes(self.model) if self.strategy.engine.report_param_shapes() else None
             ),

@@ -11,6 +11,8 @@ importing this module stays cheap.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -95,10 +97,15 @@ class ActivationProfile:
         return sum(self.parts(micro_batch).values())
 
 
+TRANSIENT_PARTS = ("logits_peak", "one_layer")
+"""Parts that live in backward only: the loss's gradients at its start, and under
+checkpointing the one layer being recomputed."""
+
+
 def saved_bytes(parts: dict[str, float]) -> float:
-    """What the memory report measures of ``parts``: the bytes saved for backward. The
-    logits peak (the loss's gradients at the start of backward) is never a saved tensor."""
-    return sum(v for k, v in parts.items() if k != "logits_peak")
+    """What the memory report measures of ``parts``: the bytes a training forward saves
+    for backward. The transient parts (:data:`TRANSIENT_PARTS`) are not among them."""
+    return sum(v for k, v in parts.items() if k not in TRANSIENT_PARTS)
 
 
 def _logits_peak_per_sample(spec: ModelSpec, seq_len: int, act_bytes: int) -> float:
@@ -333,6 +340,7 @@ def _trace_once(
     try:
         with (
             quiet_transformers(),
+            _unpacked_sequences(),
             kernels,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
@@ -363,18 +371,55 @@ def _trace_once(
     }
 
 
+@contextlib.contextmanager
+def _unpacked_sequences() -> Iterator[None]:
+    """Tell transformers the traced batch holds one sequence per row, as the recipes'
+    batches do. A decoder without a KV cache (train_lm's, a checkpointed one) reads its
+    position ids' values to find packed sequences, which the meta device has none of;
+    on real, unpacked ids the search finds none (``None``), which this answers."""
+    from unittest import mock
+
+    from transformers import masking_utils
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None):
+        yield
+
+
 def _trace_model(spec: ModelSpec, attention: str) -> Any:
     """The model the run trained, on the meta device, in training mode."""
     import copy
 
-    config = spec.config
+    config = copy.deepcopy(spec.config)
     classifier = spec.task.endswith("ForSequenceClassification")
     if classifier and getattr(config, "pad_token_id", None) is None:
         # Decoder classifiers find each row's last token by the padding id; the recipes
         # set it from the tokenizer (dpkit.models.classifier_labels).
-        config = copy.deepcopy(config)
         config.pad_token_id = 0
     return build_meta_model(config, attn_implementation=attention, task=spec.task).train()
+
+
+@contextlib.contextmanager
+def _checkpointed(model: Any) -> Iterator[None]:
+    """The model's layers checkpointed as a run's ``--gradient-checkpointing`` does it
+    (:func:`dpkit.models.enable_gradient_checkpointing`: torch's non-reentrant
+    checkpoint around each layer's forward), for one trace: the layers' switches only,
+    so that the shared meta model is left as it was."""
+    import functools
+
+    from torch.utils.checkpoint import checkpoint
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no checkpointable layers to trace")
+    for layer in layers:
+        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        layer.gradient_checkpointing = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.gradient_checkpointing = False
 
 
 def _profile_from_traces(
@@ -383,13 +428,22 @@ def _profile_from_traces(
     def saved(micro_batch: int) -> dict[str, float]:
         trace = _trace_once(model, micro_batch, seq_len, device, autocast_dtype)
         parts = {"outside_layers": trace["outside"]}
+        copies = trace["weight_copies"]
         if checkpointing:
-            parts["layer_inputs"] = sum(trace["layer_inputs"])
+            # Traced checkpointed: torch's checkpoint saves each layer's tensor inputs
+            # (hidden states, masks: what the layer is recomputed from) and nothing inside
+            # it; backward then recomputes one layer at a time, which saves what that
+            # layer saves uncheckpointed (a transient: not what the forward keeps).
+            with _checkpointed(model):
+                kept = _trace_once(model, micro_batch, seq_len, device, autocast_dtype)
+            kept_total = kept["outside"] + sum(kept["layers"])
+            parts["layer_inputs"] = max(kept_total - trace["outside"], 0.0)
             parts["one_layer"] = max(trace["layers"], default=0.0)
+            copies = kept["weight_copies"]
         else:
             parts["layers"] = sum(trace["layers"])
         if autocast_dtype is not None:
-            parts["autocast_weight_copies"] = trace["weight_copies"]
+            parts["autocast_weight_copies"] = copies
         if trace["logits_bytes"]:
             # At the start of backward, beside everything saved: the logits the model
             # returned, and cross-entropy's two fp32 gradients (of the log-probabilities,

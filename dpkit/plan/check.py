@@ -66,6 +66,15 @@ class PlanCheck:
     logits_peak: float = 0.0
     """The loss's transient at the start of backward that the plan adds to activations
     and the report does not measure (not a saved tensor), shown beside the check."""
+    gradient_checkpointing: bool = False
+    """The run recomputed its layers in backward: planned so, the activations being each
+    layer's inputs; the one layer recomputed at a time is a transient, like the logits'."""
+    recomputed_layer: float = 0.0
+    """Under checkpointing, the bytes the layer being recomputed saves (planned, in the
+    peak; not in the forward's activations the report measures)."""
+    activation_method: str = ""
+    """How the activations were planned: ``trace`` (the model's forward on the meta
+    device), or ``formula: <why the trace failed>``."""
 
     @property
     def error_pct(self) -> dict[str, float | None]:
@@ -225,6 +234,8 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         ) from None
     world_size = int(report["world_size"])
     micro_batch, seq_len, planned_batch = _measured_batch(report, micro_batch, seq_len)
+    # Recorded from the live model (dpkit's --gradient-checkpointing, the Trainer's own).
+    checkpointing = bool(report.get("gradient_checkpointing", False))
     inputs = PlanInputs(
         model=spec,
         gpus_per_node=world_size,
@@ -233,11 +244,17 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         micro_batch=micro_batch,
         gradient_accumulation_steps=_accumulation(run_dir, report),
         seq_len=seq_len,
+        activation_checkpointing=checkpointing,
     )
     on_gpu = str(report.get("device", "cpu")).startswith("cuda")
     # The kernels the run ran: a CPU saves other tensors for backward than a GPU does.
     profile = activation_profile(
-        spec, seq_len, precision, False, inputs.attention, device="cuda" if on_gpu else "cpu"
+        spec,
+        seq_len,
+        precision,
+        checkpointing,
+        inputs.attention,
+        device="cuda" if on_gpu else "cpu",
     )
     settings = _run_settings(report, buffer_settings(spec, world_size))
     strategy = get_strategy(report["strategy"])
@@ -253,11 +270,13 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     predicted["buffers"] = row.buffers
     measured["buffers"] = max(float(r.get("buffers_total", 0.0)) for r in report["ranks"])
     not_predicted: dict[str, str] = {}
+    estimated_by = ""
     activations = [float(r["activations"]) for r in report["ranks"] if r.get("activations")]
     if profile is None:
         not_predicted["activations"] = "the run's model has no shapes to trace"
     elif activations:
         predicted["activations"] = saved_bytes(row.activation_parts)
+        estimated_by = profile.method + (f": {profile.note}" if profile.note else "")
         measured["activations"] = max(activations)
     else:
         not_predicted["activations"] = "the run did not count them (count_activations off)"
@@ -279,6 +298,9 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         planned_batch=planned_batch,
         not_predicted=not_predicted,
         logits_peak=row.activation_parts.get("logits_peak", 0.0),
+        gradient_checkpointing=checkpointing,
+        recomputed_layer=row.activation_parts.get("one_layer", 0.0),
+        activation_method=estimated_by,
     )
 
 
@@ -286,8 +308,9 @@ def format_check(check: PlanCheck) -> str:
     """The check as a table: per category, predicted and measured MiB and the error."""
     lines = [
         f"dpkit plan --against {check.run_dir}",
-        f"  {check.model}: {check.strategy} on {check.world_size} ranks, {check.precision}; "
-        "per GPU (plan: its worst rank; measured: the largest rank)",
+        f"  {check.model}: {check.strategy} on {check.world_size} ranks, {check.precision}"
+        + (", gradient checkpointing" if check.gradient_checkpointing else "")
+        + "; per GPU (plan: its worst rank; measured: the largest rank)",
     ]
     if check.planned_batch:
         lines.append(f"  activations planned for {check.planned_batch}")
@@ -312,6 +335,14 @@ def format_check(check: PlanCheck) -> str:
             f"not in activations above: the loss's logits peak at the start of backward, "
             f"{check.logits_peak / MIB:.1f} MiB planned (transient, not a saved tensor; the "
             "report does not measure it)"
+        )
+    if check.activation_method.startswith("formula"):
+        lines.append(f"activations planned by the formula, not a trace ({check.activation_method})")
+    if check.gradient_checkpointing:
+        lines.append(
+            "gradient checkpointing: activations are each layer's inputs (what the forward "
+            f"keeps); the layer recomputed in backward adds {check.recomputed_layer / MIB:.1f} "
+            "MiB planned at a time (transient, not measured)"
         )
     buffers_error = errors.get("buffers")
     if check.strategy.startswith("fsdp2") and buffers_error is not None and abs(buffers_error) > 10:
@@ -357,4 +388,7 @@ def check_dict(check: PlanCheck) -> dict[str, Any]:
         "planned_batch": check.planned_batch,
         "not_predicted": dict(check.not_predicted),
         "logits_peak_bytes": round(check.logits_peak),
+        "gradient_checkpointing": check.gradient_checkpointing,
+        "recomputed_layer_bytes": round(check.recomputed_layer),
+        "activation_method": check.activation_method,
     }

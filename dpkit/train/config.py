@@ -10,7 +10,6 @@ import difflib
 import os
 import sys
 from dataclasses import asdict, dataclass, field, fields
-from pathlib import Path
 from typing import NoReturn
 
 from dpkit.errors import EXIT_USAGE, UsageError, check_field
@@ -89,6 +88,19 @@ class StrategyConfig:
     )
     """FSDP2's units; None: found in the model (:func:`dpkit.engines.fsdp2.shard.layer_classes`)."""
 
+    gradient_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "aliases": ["--activation-checkpointing"],
+            "help": "Recompute each layer's activations in backward instead of keeping them "
+            "(transformers' gradient checkpointing, non-reentrant): activations fall to the "
+            "layers' inputs plus one layer, for about a third more compute per step.",
+        },
+    )
+    """Activation (gradient) checkpointing of the model's layers, under every strategy
+    (:func:`dpkit.models.enable_gradient_checkpointing`); the Trainer's own
+    ``gradient_checkpointing=True`` is read from the model."""
+
     @property
     def fsdp_layer_class_names(self) -> tuple[str, ...]:
         """``fsdp_layer_classes`` as a tuple (empty: not given)."""
@@ -130,8 +142,9 @@ def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
     A run starts here: dpkit's log lines and library warnings are set to appear once per
     job (:func:`dpkit.train.run.log_once_per_job`). Bad input (argparse's own errors, a
     misspelled flag, a value a dataclass refuses)
-    prints one line naming the flag and its value, from rank 0 only (every rank parses
-    the same line), and exits with code 2, before anything starts. ``--local_rank=N``,
+    prints one line naming the flag and its value, once for the job
+    (:func:`dpkit.train.guards.print_usage_error`: rank 0's; every rank parses the same
+    line), and exits with code 2, before anything starts. ``--local_rank=N``,
     which the ``deepspeed`` launcher appends, is dropped (``LOCAL_RANK`` carries it).
     """
     from transformers import HfArgumentParser
@@ -159,8 +172,11 @@ def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
                 check_launch(cfg)  # a bad DeepSpeed JSON before the script loads its model
         return configs
     except UsageError as err:
-        if os.environ.get("RANK", "0") == "0":  # one line for the job, not one per rank
-            print(f"{Path(sys.argv[0]).name}: error: {err}", file=sys.stderr, flush=True)
+        from dpkit.train.guards import print_usage_error
+
+        # One line for the job: rank 0's. Another rank waits for the launcher to end it
+        # first; leaving at once let the launcher kill rank 0 before it printed (seen).
+        print_usage_error(err)
         raise SystemExit(EXIT_USAGE) from None
 
 

@@ -88,6 +88,8 @@ class Resolution:
     """The engine's own settings (:meth:`~dpkit.engines.base.Engine.configure`)."""
     learning_rate: float | None = None
     """The peak learning rate, scaled with the global batch if asked (None: not given)."""
+    gradient_checkpointing: bool = False
+    """The model's layers recompute their activations in backward (``--gradient-checkpointing``)."""
 
     @property
     def engine(self) -> Any:
@@ -191,6 +193,7 @@ def resolve(
         model_sizes=request.model_sizes,
         settings=settings,
         learning_rate=learning_rate,
+        gradient_checkpointing=args.gradient_checkpointing,
     )
 
 

@@ -65,6 +65,8 @@ class RunInfo:
     num_params: int
     offload_optimizer: str | None = None
     """Where the optimizer state lives off the device (DeepSpeed offload), or None."""
+    gradient_checkpointing: bool = False
+    """Whether the model recomputes its layers' activations in backward (read from it)."""
     ddp_forward_sync_buffers: bool | None = None
     """DDP: whether buffers are re-broadcast before each forward (None: not DDP)."""
     notes: str = ""
@@ -76,6 +78,8 @@ class RunInfo:
         lr = "" if self.learning_rate is None else f" | lr={self.learning_rate:g}"
         if self.offload_optimizer:
             lr += f" | offload_optimizer={self.offload_optimizer}"
+        if self.gradient_checkpointing:
+            lr += " | gradient checkpointing"
         if self.ddp_forward_sync_buffers is False:
             lr += " | buffers synced at init only (all constants)"
         return (
@@ -221,7 +225,8 @@ class Run:
     def prepare(self, *objects: Any, **run_info: Any) -> Any:
         """Wrap ``objects`` (the model, its optimizer, loaders, a scheduler; any order, as
         ``accelerator.prepare`` takes them) as the strategy's engine does it, and return
-        them prepared, in the same order.
+        them prepared, in the same order. With ``--gradient-checkpointing`` the model's
+        layers are checkpointed first (:func:`dpkit.models.enable_gradient_checkpointing`).
 
         Then: checks that what runs is what was asked for (a mismatch is an error, not a
         warning) and logs it once; writes ``run_info.json`` (with ``run_info``'s extra
@@ -235,6 +240,11 @@ class Run:
         from dpkit.memory.tracker import model_record
         from dpkit.memory.walk import unwrap_module
 
+        if self.resolution.gradient_checkpointing:
+            from dpkit.models import enable_gradient_checkpointing
+
+            for module in (o for o in objects if _is_module(o)):
+                enable_gradient_checkpointing(module)
         prepared = self.engine.prepare(self, objects)
         model = next((o for o in prepared if _is_module(o)), None)
         optimizer = next((o for o in prepared if _is_optimizer(o)), None)
@@ -279,7 +289,7 @@ class Run:
         """What runs, from the live objects, or an error."""
         import torch.distributed as dist
 
-        from dpkit.models import count_parameters
+        from dpkit.models import count_parameters, is_gradient_checkpointing
 
         acc, asked = self.accelerator, self.resolution
         if acc.num_processes != asked.world_size:
@@ -288,6 +298,12 @@ class Run:
                 f"{acc.num_processes}: the processes would train unconnected copies"
             )
         found = self.engine.after_prepare(self, model, optimizer)
+        checkpointing = is_gradient_checkpointing(acc.unwrap_model(model))
+        if checkpointing != asked.gradient_checkpointing:
+            raise RuntimeError(
+                f"gradient checkpointing asked {'on' if asked.gradient_checkpointing else 'off'}"
+                f" but the prepared model has it {'on' if checkpointing else 'off'}"
+            )
         backend = dist.get_backend() if dist.is_available() and dist.is_initialized() else None
         info = RunInfo(
             strategy=asked.strategy.name,
@@ -304,6 +320,7 @@ class Run:
             global_batch_size=asked.global_batch_size,
             learning_rate=asked.learning_rate,
             num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
+            gradient_checkpointing=checkpointing,
             notes="; ".join(asked.notes),
             **{**asked.settings.run_info(), **found.run_info},
         )
@@ -622,6 +639,12 @@ def setup(
             weight_decay=weight_decay,
         )
         name = model_name(model, configs)
+        if args.gradient_checkpointing and _is_module(model):
+            from dpkit.models import check_gradient_checkpointing
+
+            # Here, before any process group; run.prepare turns it on in the model it gets
+            # (a recipe checks a meta-device copy here and loads the weights after).
+            check_gradient_checkpointing(model)
         if resume is not None:
             resume.check(
                 global_batch_size=resolution.global_batch_size, model=model, model_name=name
