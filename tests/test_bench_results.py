@@ -769,3 +769,26 @@ def test_a_bench_of_one_strategy_is_read_from_that_run(tmp_path):
     assert results["strategies"] == ["zero2"]
     assert (results["num_params"], results["precision"]) == (TINY_PSI, "fp32")
     assert "loss_max_rel_dev_vs_ddp" not in results["comparison"]["zero2"]
+
+
+def test_the_timelines_chart_puts_each_checkpointed_twin_beside_its_run():
+    """With --gradient-checkpointing the chart gets a column per twin that recorded a
+    timeline, after its strategy's, with that strategy's lines (a twin without one, as
+    from a bench before timelines, is left out)."""
+    from dpkit.bench.chart import timeline_panels
+
+    def run(timeline: dict | None) -> dict:
+        return {"memory": {"timeline": timeline}}
+
+    results = {
+        "strategies": ["ddp", "zero2"],
+        "runs": {
+            "ddp": run({"points": [1]}), "ddp_checkpointed": run({"points": [1]}),
+            "zero2": run({"points": [1]}), "zero2_checkpointed": run(None),
+        },
+    }  # fmt: skip
+    assert timeline_panels(results) == [
+        ("ddp", "DDP", "ddp"),
+        ("ddp_checkpointed", "DDP, checkpointed", "ddp"),
+        ("zero2", "ZeRO-2", "zero2"),
+    ]

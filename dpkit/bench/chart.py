@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from dpkit.bench.launch import bare_run_name, repeat_name, trainer_run_name
+from dpkit.bench.launch import bare_run_name, checkpointed_run_name, repeat_name, trainer_run_name
 from dpkit.bench.markdown import MIB
 from dpkit.bench.results import REFERENCE, result_strategies
 from dpkit.memory.categories import CATEGORIES
@@ -127,6 +127,20 @@ def has_timelines(results: dict[str, Any]) -> bool:
     return bool(names) and all(results["runs"][n]["memory"].get("timeline") for n in names)
 
 
+def timeline_panels(results: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The timelines chart's columns, in order: (run name, title, strategy name): each
+    strategy's dpkit run and, after it, its checkpointed twin where the bench ran one
+    (``--gradient-checkpointing``: the activation hump is each layer's input only)."""
+    runs = results["runs"]
+    panels = []
+    for strategy in result_strategies(results):
+        panels.append((strategy.name, strategy.label, strategy.name))
+        twin = checkpointed_run_name(strategy)
+        if (runs.get(twin) or {}).get("memory", {}).get("timeline"):
+            panels.append((twin, f"{strategy.label}, checkpointed", strategy.name))
+    return panels
+
+
 def write_timelines_chart(results: dict[str, Any], path: Path) -> None:
     """Each strategy's step, its worst rank (the one whose worst moment is largest), side
     by side on one normalised time axis and one memory scale: the categories stacked,
@@ -138,16 +152,16 @@ def write_timelines_chart(results: dict[str, Any], path: Path) -> None:
 
     from dpkit.memory.chart import draw_timeline
 
-    strategies = result_strategies(results)
+    panels = timeline_panels(results)
     runs, comparison = results["runs"], results["comparison"]
     # The step over normalised time above; point by point below, where the optimizer
     # step's copies (short, but often the largest moment) get the width of any point.
     fig, axes = plt.subplots(
-        2, len(strategies), figsize=(4.6 * len(strategies), 8.4), sharey=True, squeeze=False
+        2, len(panels), figsize=(4.6 * len(panels), 8.4), sharey=True, squeeze=False
     )
-    for index, strategy in enumerate(strategies):
-        memory = runs[strategy.name]["memory"]
-        row = comparison[strategy.name]
+    for index, (name, title, strategy_name) in enumerate(panels):
+        memory = runs[name]["memory"]
+        row = comparison[strategy_name]
         lines = [
             (row["predicted_model_states"], "model states, ZeRO paper", "--"),
             (row["plan_model_states"], "model states, dpkit plan", ":"),
@@ -164,7 +178,7 @@ def write_timelines_chart(results: dict[str, Any], path: Path) -> None:
             )
             if index == 0:
                 ax.set_ylabel("MiB on the rank that peaks highest")
-        axes[0][index].set_title(f"{strategy.label}: rank {memory['timeline_rank']}", fontsize=10)
+        axes[0][index].set_title(f"{title}: rank {memory['timeline_rank']}", fontsize=10)
     fig.suptitle(
         f"One step's memory by category: {results['settings']['nproc']} ranks, "
         f"{results['num_params'] / 1e6:.1f}M params, {results['precision']} "
