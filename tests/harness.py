@@ -125,8 +125,12 @@ class Launch:
         return [m for m in self.metrics if m.get("final") and m["split"] == split][-1]
 
     def check(self) -> Launch:
+        # The processes' one-line errors first: a long traceback can push them out of the tail.
+        errors = [line for line in self.output.splitlines() if ": error: " in line]
         assert self.returncode == 0, (
-            f"exit code {self.returncode} from {' '.join(self.cmd)}\n{self.output[-6000:]}"
+            f"exit code {self.returncode} from {' '.join(self.cmd)}\n"
+            + "".join(f"{line}\n" for line in errors[:10])
+            + self.output[-6000:]
         )
         return self
 

@@ -27,6 +27,7 @@ import json
 import math
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -141,26 +142,22 @@ def check_output_dir(output_dir: str, *, overwrite: bool, resumes_own_run: bool 
 
 
 def _why_not_creatable(path: Path) -> str | None:
-    """Create ``path`` and its missing parents, then remove them again: the only sure test
-    (a read-only mount or /proc refuses even root, whom os.access lets through). Every
-    rank probes at once, so a folder another rank made counts as made, and one another
-    rank already removed as removed."""
-    missing = []
+    """Make a folder of this process's own where the first missing one would go, then
+    remove it: the only sure test (a read-only mount or /proc refuses even root, whom
+    os.access lets through). Not ``path`` itself: every rank probes at once, and a rank
+    that saw another's probe of ``path`` come and go in the middle of its own checks
+    refused the run ("exists and is not a directory", one rank of four, seen in CI)."""
     probe = path.absolute()
     while not probe.exists():
-        missing.append(probe)
         probe = probe.parent
     if not probe.is_dir():
         return f"{probe} is not a directory"
     try:
-        for folder in reversed(missing):
-            folder.mkdir(exist_ok=True)
+        made = tempfile.mkdtemp(prefix=".dpkit-probe-", dir=probe)
     except OSError as err:
-        return f"{folder}: {err.strerror or type(err).__name__}"
-    finally:
-        for folder in missing:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        return f"{probe}: {err.strerror or type(err).__name__}"
+    with contextlib.suppress(OSError):
+        os.rmdir(made)
     return None
 
 
