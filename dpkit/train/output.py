@@ -145,8 +145,9 @@ def _why_not_creatable(path: Path) -> str | None:
     """Make a folder of this process's own where the first missing one would go, then
     remove it: the only sure test (a read-only mount or /proc refuses even root, whom
     os.access lets through). Not ``path`` itself: every rank probes at once, and a rank
-    that saw another's probe of ``path`` come and go in the middle of its own checks
-    refused the run ("exists and is not a directory", one rank of four, seen in CI)."""
+    that sees another's probe of ``path`` come and go between its own checks refuses the
+    run ("exists and is not a directory" or "not writable": the likely cause of one rank
+    of four exiting 2 at start in CI, its line lost from the log's tail)."""
     probe = path.absolute()
     while not probe.exists():
         probe = probe.parent
