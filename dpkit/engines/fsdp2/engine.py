@@ -42,12 +42,14 @@ def _asked_by(source: str) -> str:
 
 
 # FSDP settings of an accelerate YAML that dpkit does not apply, with the value that
-# means "off"; anything else is refused rather than dropped.
+# means "off" and what to use instead; anything else is refused rather than dropped.
 _FSDP_SETTINGS_OFF = {
-    "FSDP_OFFLOAD_PARAMS": ("fsdp_offload_params", "false"),
-    "FSDP_ACTIVATION_CHECKPOINTING": ("fsdp_activation_checkpointing", "false"),
-    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("fsdp_cpu_ram_efficient_loading", "false"),
-}
+    "FSDP_OFFLOAD_PARAMS": ("fsdp_offload_params", "false", ""),
+    "FSDP_ACTIVATION_CHECKPOINTING": (
+        "fsdp_activation_checkpointing", "false", "; use --gradient-checkpointing"
+    ),
+    "FSDP_CPU_RAM_EFFICIENT_LOADING": ("fsdp_cpu_ram_efficient_loading", "false", ""),
+}  # fmt: skip
 
 
 def _fsdp_launch(env: Mapping[str, str]) -> bool | None:
@@ -62,10 +64,9 @@ def _fsdp_launch(env: Mapping[str, str]) -> bool | None:
             f"accelerate config fsdp_version={version}: dpkit runs FSDP2; set fsdp_version: 2 "
             "(ds_configs/accelerate/fsdp2_full_shard.yaml)"
         )
-    for variable, (name, off) in _FSDP_SETTINGS_OFF.items():
+    for variable, (name, off, hint) in _FSDP_SETTINGS_OFF.items():
         value = env.get(variable, off).lower()
         if value != off:
-            hint = "; use --gradient-checkpointing" if "checkpointing" in name else ""
             raise UsageError(
                 f"accelerate config {name}={value}: dpkit's FSDP2 does not apply it{hint}"
             )
