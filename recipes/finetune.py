@@ -78,7 +78,7 @@ def main() -> None:
     splits = data_cfg.truncate(splits)
     resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
     tokenizer = models.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
-    load_from = resume.path if resume else model_path
+    load_from = resume.weights_from(model_path) if resume else model_path
     load_kwargs = {
         **models.classifier_labels(label_names, tokenizer),
         **model_cfg.dropout_overrides(hf_config),
@@ -97,6 +97,7 @@ def main() -> None:
     model = models.load_pretrained(  # from_pretrained; a new head said in one line
         AutoModelForSequenceClassification, load_from, **load_kwargs
     )
+    model = run.apply_lora(model)  # --lora-r: adapters train, the pretrained weights frozen
     accelerator = run.accelerator  # the process group starts here
     set_seed(train_cfg.seed, device_specific=True)  # dropout differs across ranks, as in a batch
     train_loader, validation, test = get_dataloaders(

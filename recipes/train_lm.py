@@ -109,6 +109,7 @@ def main() -> None:
     )  # still no process group
     accelerator = run.accelerator  # the process group starts here
     train_loader = DataLoader(dataset, batch_size=workload.micro_batch_size, drop_last=True)
+    model = run.apply_lora(model)  # --lora-r: adapters train, the other weights frozen
     optimizer = run.make_optimizer(
         models.adamw_param_groups(model, workload.weight_decay),
         lr=workload.learning_rate,

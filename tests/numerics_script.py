@@ -49,6 +49,7 @@ WEIGHT_DECAY = 0.1
 # changes which steps are clipped: measured, a gradient doubled or halved moves the
 # reference's losses by 1.1e-3 and 1.3e-3 relative.
 MAX_GRAD_NORM = 1.0
+LORA_R = 4  # the ``lora`` runs' adapter rank
 
 
 def build_model() -> torch.nn.Module:
@@ -77,11 +78,28 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def reference(out: Path) -> None:
-    """One process, fp32, plain torch: each step accumulates the global batch's
-    ``RANKS * ACCUMULATION`` micro-batches, each loss divided by their count."""
+def lora_model() -> torch.nn.Module:
+    """:func:`build_model` with LoRA adapters as plain peft makes them (no dpkit): rank
+    ``LORA_R`` on GPT-2's fused attention projection ``c_attn`` (a transposed ``Conv1D``),
+    initialised from seed 0, which is what a dpkit run's ``--lora-r`` is asked to do."""
+    from peft import LoraConfig, get_peft_model
+
     model = build_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    config = LoraConfig(
+        r=LORA_R, lora_alpha=2 * LORA_R, target_modules=["c_attn"], fan_in_fan_out=True,
+        task_type="CAUSAL_LM",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return get_peft_model(model, config)
+
+
+def reference(out: Path, lora: bool = False) -> None:
+    """One process, fp32, plain torch: each step accumulates the global batch's
+    ``RANKS * ACCUMULATION`` micro-batches, each loss divided by their count. ``lora``:
+    the LoRA model of :func:`lora_model`, its trainable parameters only in the optimizer."""
+    model = lora_model() if lora else build_model()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, weight_decay=WEIGHT_DECAY)
     micro_batches = token_rows().split(MICRO)
     per_step = RANKS * ACCUMULATION
     losses = []
@@ -92,10 +110,10 @@ def reference(out: Path) -> None:
             loss = _loss(model, ids)
             (loss / per_step).backward()
             step_losses.append(loss.item())
-            if step == 0 and k == RANKS - 1:  # what a 2-rank run's first backward reduces
+            if step == 0 and k == RANKS - 1 and not lora:  # a 2-rank run's first reduction
                 grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
                 torch.save(grads, out / "grads-rank0.pt")
-        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+        torch.nn.utils.clip_grad_norm_(trainable, MAX_GRAD_NORM)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(sum(step_losses) / len(step_losses))
@@ -117,7 +135,9 @@ def plain_bf16_gradient(ids: torch.Tensor) -> dict[str, torch.Tensor]:
     return {n: p.grad.float() for n, p in model.named_parameters()}
 
 
-def with_dpkit(out: Path, strategy: str, precision: str, checkpointing: bool = False) -> Any:
+def with_dpkit(
+    out: Path, strategy: str, precision: str, checkpointing: bool = False, lora: bool = False
+) -> Any:
     """A user's accelerate loop on dpkit, ``ACCUMULATION`` micro-batches per rank per step;
     returns the Accelerator (its process group still up)."""
     from torch.utils.data import DataLoader
@@ -132,7 +152,11 @@ def with_dpkit(out: Path, strategy: str, precision: str, checkpointing: bool = F
         lambda *_: attention_calls.__setitem__(0, attention_calls[0] + 1)
     )
     args = dpkit.StrategyConfig(
-        strategy=strategy, mixed_precision=precision, gradient_checkpointing=checkpointing
+        strategy=strategy,
+        mixed_precision=precision,
+        gradient_checkpointing=checkpointing,
+        lora_r=LORA_R if lora else None,
+        lora_target_modules="c_attn" if lora else None,
     )
     run = dpkit.setup(
         args,
@@ -143,11 +167,13 @@ def with_dpkit(out: Path, strategy: str, precision: str, checkpointing: bool = F
         learning_rate=LR,
     )
     accelerator = run.accelerator
+    model = run.apply_lora(model)  # with lora: the adapters; without, the model as it is
     # accelerate hands micro-batch i to rank i % N: a step's micro-batches over both ranks
     # are the reference's step's.
     loader = DataLoader(list(token_rows()), batch_size=MICRO)
     # Built over the whole parameters: run.prepare moves it onto FSDP2's shards.
-    optimizer = run.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = run.make_optimizer(trainable, lr=LR, weight_decay=WEIGHT_DECAY)
     model, optimizer, loader = run.prepare(model, optimizer, loader)
     info = run.info
     assert (info.world_size, info.precision) == (RANKS, precision), info
@@ -158,7 +184,7 @@ def with_dpkit(out: Path, strategy: str, precision: str, checkpointing: bool = F
         with accelerator.accumulate(model):
             loss = _loss(model, ids)
             accelerator.backward(loss)
-            if first_backward and strategy.startswith("fsdp2"):
+            if first_backward and strategy.startswith("fsdp2") and not lora:
                 # Every gradient is a DTensor shard (to_local fails on anything else).
                 shards = {n: p.grad.to_local().clone() for n, p in model.named_parameters()}
                 torch.save(shards, out / f"grads-rank{rank}.pt")
@@ -166,7 +192,9 @@ def with_dpkit(out: Path, strategy: str, precision: str, checkpointing: bool = F
                     torch.save(plain_bf16_gradient(ids), out / f"plain-bf16-grads-rank{rank}.pt")
             first_backward = False
             if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), MAX_GRAD_NORM)
+                accelerator.clip_grad_norm_(
+                    [p for p in model.parameters() if p.requires_grad], MAX_GRAD_NORM
+                )
             optimizer.step()
             optimizer.zero_grad()
         step_losses.append(accelerator.reduce(loss.detach().float(), "mean").item())
@@ -203,13 +231,15 @@ def main(argv: list[str]) -> None:
     if "--reference" in argv:
         reference(out)
         return
-    # strategy:precision, or strategy:precision:gc (gradient checkpointing)
+    # strategy:precision, or strategy:precision:gc (gradient checkpointing) or :lora
     runs = [pair.split(":") for pair in argv[argv.index("--runs") + 1].split(",")]
     for index, (strategy, precision, *lever) in enumerate(runs):
         environ = dict(os.environ)  # what dpkit and accelerate set for this run goes after it
         folder = out / "-".join([strategy, precision, *lever])
         folder.mkdir(exist_ok=True)
-        accelerator = with_dpkit(folder, strategy, precision, checkpointing=lever == ["gc"])
+        accelerator = with_dpkit(
+            folder, strategy, precision, checkpointing=lever == ["gc"], lora=lever == ["lora"]
+        )
         if index == len(runs) - 1:
             accelerator.end_training()  # destroys the process group
             break

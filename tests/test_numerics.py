@@ -21,6 +21,7 @@ global batch of 4 micro-batches by hand, same seed, no dropout. Checked:
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,8 @@ FSDP2_MODES = ("fsdp2_shard_grad_op", "fsdp2_full_shard")
 RUNS = [(strategy, precision) for precision in ("no", "bf16") for strategy in STRATEGIES]
 # With gradient checkpointing: every strategy in fp32, and one in bf16 (16-bit weights).
 CHECKPOINTED = [*((strategy, "no") for strategy in STRATEGIES), ("fsdp2_full_shard", "bf16")]
+# With LoRA (rank 4 on c_attn, tests/numerics_script.py): every strategy in fp32.
+LORA = STRATEGIES
 
 # fp32 losses against the fp32 reference. Measured: every strategy within 8.6e-8 relative
 # at every point (the rounding of a mean of four fp32 losses; the 2-rank sum against the
@@ -81,12 +84,18 @@ GRAD_BF16_VS_FP32_RTOL = 2.0**-4
 class Runs:
     root: Path
     reference: Path
+    lora_reference: Path
 
-    def folder(self, strategy: str, precision: str, checkpointed: bool = False) -> Path:
-        return self.root / (f"{strategy}-{precision}" + ("-gc" if checkpointed else ""))
+    def folder(
+        self, strategy: str, precision: str, checkpointed: bool = False, lora: bool = False
+    ) -> Path:
+        lever = "-gc" if checkpointed else "-lora" if lora else ""
+        return self.root / f"{strategy}-{precision}{lever}"
 
-    def losses(self, strategy: str, precision: str, checkpointed: bool = False) -> list[float]:
-        return _trajectory(self.folder(strategy, precision, checkpointed))
+    def losses(
+        self, strategy: str, precision: str, checkpointed: bool = False, lora: bool = False
+    ) -> list[float]:
+        return _trajectory(self.folder(strategy, precision, checkpointed, lora))
 
     def reference_losses(self) -> list[float]:
         return _trajectory(self.reference)
@@ -110,20 +119,24 @@ def numerics(module_tmp) -> Runs:
     pairs = ",".join(
         [f"{strategy}:{precision}" for strategy, precision in RUNS]
         + [f"{strategy}:{precision}:gc" for strategy, precision in CHECKPOINTED]
+        + [f"{strategy}:no:lora" for strategy in LORA]
     )
     started = time.monotonic()
     run(torchrun_cmd(2, "--runs", pairs, str(root), recipe=SCRIPT), root).check()
     print(f"numerics launch: {time.monotonic() - started:.1f} s")
     reference = module_tmp / "reference"
+    lora_reference = module_tmp / "lora-reference"
     reference.mkdir()
+    lora_reference.mkdir()
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with torch.random.fork_rng():
             numerics_script.reference(reference)
+            numerics_script.reference(lora_reference, lora=True)
     finally:
         torch.set_num_threads(threads)
-    return Runs(root, reference)
+    return Runs(root, reference, lora_reference)
 
 
 def _moves(reference: list[float], tolerance: float) -> None:
@@ -273,3 +286,81 @@ def test_checkpointing_keeps_the_layer_inputs_only_as_planned(numerics, strategy
     assert check.gradient_checkpointing and check.activation_method == "trace"
     assert abs(check.error_pct["activations"]) <= ACTIVATION_TOLERANCE_PCT, check.error_pct
     assert check.recomputed_layer > 0  # the recomputed block: planned, in the peak only
+
+
+# ---- LoRA ------------------------------------------------------------------------------------
+
+# The adapters: rank 4 on each block's c_attn (a Conv1D from width 30 to 90), A is 4 x 30
+# and B is 90 x 4: 2 blocks x (120 + 360) parameters train.
+LORA_TRAINABLE = 2 * (4 * 30 + 90 * 4)
+# fp32 tolerances as above; a state figure within 1% (the optimizer's scalar step tensors).
+STATE_RTOL = 0.01
+
+
+def _lora_info(numerics: Runs, strategy: str) -> tuple[dict, dict]:
+    folder = numerics.folder(strategy, "no", lora=True)
+    info = json.loads((folder / "run_info.json").read_text())
+    report = json.loads((folder / "memory_report.json").read_text())
+    return info, report
+
+
+@pytest.mark.parametrize("strategy", LORA)
+def test_lora_runs_match_one_plain_peft_process(numerics, strategy):
+    """The adapters train as plain peft trains them in one process (its own LoraConfig,
+    seed 0), the pretrained weights frozen, under every strategy."""
+    info, _ = _lora_info(numerics, strategy)
+    assert (info["strategy"], info["world_size"], info["backend"]) == (strategy, 2, "gloo")
+    assert info["lora"]["r"] == 4 and info["lora"]["target_modules"] == ["c_attn"]
+    reference = _trajectory(numerics.lora_reference)
+    losses = numerics.losses(strategy, "no", lora=True)
+    assert max_rel_diff(losses, reference, length=6) <= FP32_RTOL, (losses, reference)
+    _moves(reference, FP32_RTOL)
+    # The control: training every weight is another trajectory.
+    assert max_rel_diff(numerics.reference_losses(), reference, length=6) > 100 * FP32_RTOL
+
+
+@pytest.mark.parametrize("strategy", LORA)
+def test_lora_runs_hold_gradients_and_moments_for_the_adapters_only(numerics, strategy):
+    from tests import numerics_script
+
+    info, report = _lora_info(numerics, strategy)
+    everything = numerics_script.lora_model()  # plain peft, counted here
+    shapes = [tuple(p.shape) for p in everything.parameters()]
+    total = sum(p.numel() for p in everything.parameters())
+    assert info["num_params"] == LORA_TRAINABLE
+    assert info["frozen_params"] == total - LORA_TRAINABLE == report["frozen_params"]
+    sharded = strategy != "ddp"
+    if strategy.startswith("fsdp2"):
+        # fully_shard gives rank 0 the first ceil(rows / 2) rows of every parameter.
+        rows = [
+            -(-shape[0] // 2) * (math.prod(shape[1:]) if len(shape) > 1 else 1) for shape in shapes
+        ]
+        params = 4 * sum(rows)
+    else:  # DDP and ZeRO-1/2 keep the whole fp32 module on each rank
+        params = 4 * total
+    expected = {
+        "params": params,
+        "optimizer": 8 * LORA_TRAINABLE / (2 if sharded else 1),  # Adam's two moments
+        "master": 4 * LORA_TRAINABLE / 2 if strategy in ("zero1", "zero2") else 0,
+    }
+    if strategy == "ddp" or strategy in FSDP2_MODES:  # the adapters' fp32 gradient (shard)
+        expected["grads"] = 4 * LORA_TRAINABLE / (2 if sharded else 1)
+    measured = {k: max(r[k] for r in report["ranks"]) for k in expected}
+    for category, value in expected.items():
+        assert value * (1 - STATE_RTOL) <= measured[category] <= value * (1 + STATE_RTOL) + 64, (
+            category,
+            measured[category],
+            value,
+        )
+    # ZeRO: gradients for the adapters only, at most their whole fp32 gradient and one
+    # copy (the step flattens its partition); the token embedding alone is 67 x 30 x 4 =
+    # 8,040 bytes.
+    grads = max(r["grads"] for r in report["ranks"])
+    assert 0 < grads <= 2 * 4 * LORA_TRAINABLE, grads
+    # The report's own prediction and dpkit plan --against agree with the run.
+    from dpkit.plan.check import check_run
+
+    check = check_run(numerics.folder(strategy, "no", lora=True))
+    for category in ("params", "optimizer", "total"):
+        assert abs(check.error_pct[category]) <= 100 * STATE_RTOL, check.error_pct
+    assert abs(check.error_pct["activations"]) <= ACTIVATION_TOLERANCE_PCT, check.error_pct

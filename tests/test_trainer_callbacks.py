@@ -460,6 +460,52 @@ def test_the_trainers_gradient_checkpointing_is_recorded_and_planned(tmp_path):
     assert abs(check.error_pct["activations"]) <= 15, (check.predicted, check.measured)
 
 
+def test_a_trainer_with_a_peft_lora_model_is_counted_and_planned(tmp_path):
+    """A Trainer given a model the user wrapped with peft's LoRA: the frozen weights are
+    parameters only (no gradient, no moments), in the report's measure, its prediction
+    and ``dpkit plan --against``, which also traces the adapted model."""
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    from dpkit.integrations.transformers import MemoryReportCallback
+    from dpkit.plan.check import check_run
+
+    model = get_peft_model(
+        _tiny_bert(), LoraConfig(r=2, lora_alpha=4, target_modules=["query", "value"],
+                                 task_type="SEQ_CLS"),
+    )  # fmt: skip
+    # The adapters: 1 layer x 2 targets x (A 2 x 16 + B 16 x 2); the head's trained copy
+    # 16 x 2 + 2. Frozen: the whole tiny BERT (its original head included).
+    trainable = 1 * 2 * (2 * 16 + 16 * 2) + (16 * 2 + 2)
+    frozen = TINY_PSI
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, max_steps=2, per_device_train_batch_size=4,
+        logging_steps=100, report_to="none", save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    trainer = Trainer(
+        model=model, args=args, train_dataset=_token_examples(8),
+        callbacks=[MemoryReportCallback(model_name="tiny-bert-lora")],
+    )  # fmt: skip
+    trainer.train()
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert (report["num_params"], report["frozen_params"]) == (trainable, frozen)
+    assert report["lora"]["r"] == 2 and report["lora"]["target_modules"] == ["query", "value"]
+    (row,) = report["ranks"]
+    assert row["params"] == 4 * (trainable + frozen)
+    assert row["grads"] == 4 * trainable
+    # Adam's two fp32 moments, plus one 4-byte step count per trained tensor (torch's).
+    assert 8 * trainable <= row["optimizer"] <= 8 * trainable + 4 * 6
+    assert report["predicted"]["params"] == 4 * (trainable + frozen)
+    assert report["predicted"]["grads"] == 4 * trainable
+    check = check_run(tmp_path)
+    for category in ("params", "grads", "total"):
+        assert abs(check.error_pct[category]) <= 1.0, (category, check.error_pct)
+    # The plan's optimizer state is per parameter (the step counts are not: 1.8% here).
+    assert check.predicted["optimizer"] == 8 * trainable, check.predicted
+    assert abs(check.error_pct["activations"]) <= 15, (check.predicted, check.measured)
+
+
 # --- finding the Trainer, and going first in its callback list ----------------------------
 
 

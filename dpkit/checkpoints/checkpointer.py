@@ -84,7 +84,7 @@ def save_checkpoint(
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    save_model(engine, accelerator, model, tmp, tokenizer)
+    save_model(engine, accelerator, model, tmp, tokenizer, for_resume=True)
     optimizer_state = full_optimizer_state(engine, accelerator, model, optimizer)
     rng_states = accelerate.utils.gather_object([rng_state()])
     loss_scaler = engine.loss_scaler(accelerator)  # the same on every rank: the main one's is saved

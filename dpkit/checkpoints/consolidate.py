@@ -2,7 +2,9 @@
 
 Takes either
 * a dpkit checkpoint (``<run>/checkpoints/step-*``): verified against its manifest,
-  then its model files are copied (they are consolidated already); or
+  then its model files are copied (they are consolidated already);
+  a LoRA run's gives peft's adapter folder, or with ``--merge-lora`` the model with
+  the adapters merged into its weights; or
 * a DeepSpeed ZeRO checkpoint (what ``engine.save_checkpoint`` or accelerate's
   ``save_state`` writes under DeepSpeed): DeepSpeed's own ``zero_to_fp32`` merges the
   shards of every rank into fp32 weights, loaded into the architecture of ``--model``.
@@ -36,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tag",
         help="DeepSpeed checkpoints: the tag folder to read (default: the one named in 'latest')",
+    )
+    parser.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="a LoRA checkpoint (--lora-r): write the model with the adapters merged into "
+        "its weights (loads with from_pretrained, no peft) instead of peft's adapter folder",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing non-empty --output-dir"
@@ -95,17 +103,75 @@ def _model_for(state_dict: dict, config, model: str):
     )
 
 
-def consolidate(checkpoint: Path, output_dir: Path, *, model: str | None, tag: str | None) -> str:
+def _merged_lora_model(checkpoint: Path):
+    """The checkpoint's model with its LoRA adapters merged into the weights: the base
+    architecture from its ``config.json``, every weight (base and adapters) from its
+    ``model.safetensors``, merged by peft's ``merge_and_unload``."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+
+    config = transformers.AutoConfig.from_pretrained(checkpoint)
+    model_class = getattr(transformers, (config.architectures or [""])[0], None)
+    if model_class is None:
+        raise UsageError(
+            f"checkpoint={str(checkpoint)!r}: its config.json names no transformers "
+            f"architecture ({config.architectures}); load the adapters with peft instead"
+        )
+    lora_config = LoraConfig.from_pretrained(checkpoint)
+    base = model_class._from_config(config).float()
+    base.name_or_path = lora_config.base_model_name_or_path  # the model it was trained from
+    model = get_peft_model(base, lora_config)
+    incompatible = model.load_state_dict(load_file(checkpoint / "model.safetensors"), strict=False)
+    tied = set(getattr(model.get_base_model(), "_tied_weights_keys", None) or [])
+    missing = [
+        k for k in incompatible.missing_keys if k.removeprefix("base_model.model.") not in tied
+    ]
+    if missing or incompatible.unexpected_keys:
+        raise UsageError(
+            f"checkpoint={str(checkpoint)!r}: its weights are not its model's "
+            f"(missing {missing[:2]}, unexpected {incompatible.unexpected_keys[:2]})"
+        )
+    return model.merge_and_unload()
+
+
+def consolidate(
+    checkpoint: Path,
+    output_dir: Path,
+    *,
+    model: str | None,
+    tag: str | None,
+    merge_lora: bool = False,
+) -> str:
     """Write the model folder; returns a one-line description of what was done."""
     from dpkit.checkpoints.folder import verify_checkpoint
+    from dpkit.checkpoints.resume import LORA_ADAPTER_CONFIG
 
     if (checkpoint / "manifest.json").is_file():
         state = verify_checkpoint(checkpoint, flag="checkpoint")
+        what = f"dpkit checkpoint at step {state.step} ({state.strategy}, {state.world_size} processes)"
+        lora = (checkpoint / LORA_ADAPTER_CONFIG).is_file()
+        if merge_lora and not lora:
+            raise UsageError(
+                f"--merge-lora: checkpoint={str(checkpoint)!r} trained the whole model (no "
+                f"{LORA_ADAPTER_CONFIG}); drop --merge-lora"
+            )
+        # A LoRA checkpoint's model.safetensors and config.json (every weight by peft's
+        # names, for a resume) are not a model folder: the adapter folder, or the merge.
+        skipped = _TRAINING_STATE | ({"model.safetensors", "config.json"} if lora else set())
+        if merge_lora:
+            skipped |= {LORA_ADAPTER_CONFIG, "adapter_model.safetensors", "README.md"}
+        merged = _merged_lora_model(checkpoint) if merge_lora else None  # refusals first
         output_dir.mkdir(parents=True, exist_ok=True)
         for file in checkpoint.iterdir():
-            if file.is_file() and file.name not in _TRAINING_STATE:
+            if file.is_file() and file.name not in skipped:
                 shutil.copy2(file, output_dir / file.name)
-        return f"dpkit checkpoint at step {state.step} ({state.strategy}, {state.world_size} processes)"
+        if merged is not None:
+            merged.save_pretrained(output_dir, safe_serialization=True)
+            return f"{what}, LoRA adapters merged into {type(merged).__name__}"
+        return f"{what}, LoRA adapters (peft's folder)" if lora else what
+    if merge_lora:
+        raise UsageError("--merge-lora: only for a dpkit checkpoint of a LoRA run")
 
     tag = _deepspeed_tag(checkpoint, tag)
     if model is None:
@@ -146,6 +212,8 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--output-dir={args.output_dir!r}: not empty; pass --overwrite or choose another"
         )
-    what = consolidate(checkpoint, output_dir, model=args.model, tag=args.tag)
+    what = consolidate(
+        checkpoint, output_dir, model=args.model, tag=args.tag, merge_lora=args.merge_lora
+    )
     print(f"dpkit consolidate: {what} -> {output_dir} (fp32, safetensors)")
     return 0

@@ -9,6 +9,9 @@ from typing import Any, NamedTuple
 from dpkit.checkpoints.folder import CHECKPOINTS, TrainerState, list_checkpoints, verify_checkpoint
 from dpkit.errors import UsageError
 
+LORA_ADAPTER_CONFIG = "adapter_config.json"
+"""peft's adapter folder marker: a checkpoint with it trained LoRA adapters."""
+
 
 class Resume(NamedTuple):
     """A checkpoint to continue from, verified (:func:`find_resume`)."""
@@ -23,6 +26,19 @@ class Resume(NamedTuple):
         checkpoint's model (:func:`check_same_model`)."""
         check_resumable(self.state, self.path, global_batch_size=global_batch_size)
         check_same_model(self.state, self.path, model=model, model_name=model_name)
+
+    @property
+    def is_lora(self) -> bool:
+        """Whether the checkpoint trained LoRA adapters (it holds peft's adapter folder)."""
+        return (self.path / LORA_ADAPTER_CONFIG).is_file()
+
+    def weights_from(self, model_path: str | Path) -> str | Path:
+        """What a script loads with ``from_pretrained`` before :meth:`Run.prepare
+        <dpkit.train.run.Run.prepare>` restores every weight of the checkpoint: the
+        checkpoint folder itself, or, for a LoRA checkpoint, ``model_path`` (the base
+        model it was trained from: ``run.apply_lora`` adds the adapters, the restore
+        fills them)."""
+        return model_path if self.is_lora else self.path
 
 
 def find_resume(resume: str | None, output_dir: str) -> Resume | None:
@@ -138,6 +154,35 @@ def _shape_differences(path: Path, model: Any) -> list[str]:
     return differences
 
 
+def _check_same_lora(path: Path, model: Any, where: str) -> None:
+    """A LoRA checkpoint resumes into a LoRA run of the same rank and layers, a full one
+    into a full run."""
+    from dpkit.lora import is_lora_model, lora_settings
+
+    adapter_file = path / LORA_ADAPTER_CONFIG
+    saved = json.loads(adapter_file.read_text()) if adapter_file.is_file() else None
+    run = lora_settings(model) if is_lora_model(model) else None
+    if saved is None and run is None:
+        return
+    if saved is None:
+        raise UsageError(
+            f"{where}: the checkpoint trained the whole model, this run LoRA adapters "
+            f"(--lora-r={run['r']}); resume without --lora-r"
+        )
+    saved_text = (
+        f"LoRA r={saved.get('r')} on {', '.join(sorted(saved.get('target_modules') or []))}"
+    )
+    if run is None:
+        raise UsageError(
+            f"{where}: the checkpoint trained {saved_text}, this run the whole model; resume "
+            f"with --lora-r={saved.get('r')}"
+        )
+    run_targets = run["target_modules"]
+    run_text = f"LoRA r={run['r']} on {', '.join(run_targets or []) if not isinstance(run_targets, str) else run_targets}"
+    if saved_text != run_text:
+        raise UsageError(f"{where}: the checkpoint trained {saved_text}, this run {run_text}")
+
+
 def check_same_model(
     state: TrainerState, path: Path, *, model: Any = None, model_name: str | None = None
 ) -> None:
@@ -162,6 +207,7 @@ def check_same_model(
         )
     if model is None:
         return
+    _check_same_lora(path, model, where)
     saved_config_path = path / "config.json"
     saved_config = json.loads(saved_config_path.read_text()) if saved_config_path.is_file() else {}
     run_config = _config_dict(model)

@@ -13,6 +13,7 @@ same on every rank: it is read and restored locally, no collective.
 
 from __future__ import annotations
 
+import copy
 import random
 from pathlib import Path
 from typing import Any
@@ -40,17 +41,49 @@ def full_fp32_state_dict(
 
 
 def save_model(
-    engine: Any, accelerator: Any, model: Any, path: str | Path, tokenizer: Any = None
+    engine: Any,
+    accelerator: Any,
+    model: Any,
+    path: str | Path,
+    tokenizer: Any = None,
+    *,
+    for_resume: bool = False,
 ) -> None:
     """The model as a Hugging Face folder in fp32 (shards consolidated), written by the
-    main process; a collective (every rank must call it)."""
+    main process; a collective (every rank must call it).
+
+    A LoRA model (peft) writes peft's adapter folder (``adapter_config.json``,
+    ``adapter_model.safetensors``: the adapters and a classifier's head; it loads with
+    ``PeftModel.from_pretrained`` over the base model). ``for_resume`` (a checkpoint)
+    adds every weight by name in ``model.safetensors`` and the base model's
+    ``config.json``, which a resume restores and checks against."""
+    from dpkit.lora import is_lora_model
+
     weights = full_fp32_state_dict(engine, accelerator, model)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(
-            path, state_dict=weights, safe_serialization=True
-        )
+        module = accelerator.unwrap_model(model)
+        module.save_pretrained(path, state_dict=weights, safe_serialization=True)
+        if for_resume and is_lora_model(module):
+            from safetensors.torch import save_file
+
+            save_file(_unshared(weights), str(Path(path) / "model.safetensors"), {"format": "pt"})
+            base = module.get_base_model()
+            config = copy.deepcopy(base.config)  # the live one stays as it is
+            config.architectures = [type(base).__name__]  # what consolidate --merge-lora builds
+            config.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
+
+
+def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``weights`` with no two tensors on one storage (safetensors refuses tied ones)."""
+    seen: set[int] = set()
+    unshared = {}
+    for name, value in weights.items():
+        pointer = value.untyped_storage().data_ptr()
+        unshared[name] = value.clone() if pointer in seen else value.contiguous()
+        seen.add(pointer)
+    return unshared
 
 
 def full_optimizer_state(engine: Any, accelerator: Any, model: Any, optimizer: Any) -> dict | None:
@@ -83,8 +116,8 @@ def load_optimizer_state(
     moments = saved["moments"]
     if not moments:
         return
-    named = dict(module.named_parameters())
-    missing = sorted(set(named) - set(moments))
+    trainable = {name for name, p in module.named_parameters() if p.requires_grad}
+    missing = sorted(trainable - set(moments))
     if missing:
         raise RuntimeError(f"checkpoint has no optimizer state for {missing[:3]}")
     engine.load_moments(accelerator, module, optimizer, moments, torch.tensor(float(saved["step"])))

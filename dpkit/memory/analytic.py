@@ -19,6 +19,7 @@ both call :func:`model_state_bytes`; neither computes these figures itself.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from types import MappingProxyType
@@ -85,9 +86,16 @@ def model_state_bytes(
     precision: str = "fp32",
     optimizer: str = "adamw",
     param_shapes: Sequence[Sequence[int]] | None = None,
+    frozen_params: int = 0,
+    frozen_param_shapes: Sequence[Sequence[int]] | None = None,
 ) -> ModelStateBytes:
     """Per-rank model-state bytes for ``strategy`` at ``world_size`` ranks: its engine's
     arithmetic (:meth:`dpkit.engines.base.Engine.model_state_bytes`), on checked inputs.
+
+    Frozen parameters (LoRA's pretrained weights) are parameters and nothing else: no
+    gradient, no optimizer state, no master copy. Each engine stores them as it stores a
+    trainable one (DDP and ZeRO-1/2 whole on every rank, in the module's dtype; FSDP2
+    sharded, padded per parameter), so they add that engine's ``params`` figure for them.
 
     Args:
         num_params: trainable parameter count (shared tensors counted once).
@@ -98,6 +106,7 @@ def model_state_bytes(
         param_shapes: every parameter's shape (tied ones once), if known: FSDP2 then gets
             its worst rank's exact figure, dim 0 of each parameter padded to a multiple of
             N; the other strategies do not depend on shapes.
+        frozen_params, frozen_param_shapes: the same for parameters that do not train.
     """
     from dpkit.strategy import get_strategy
 
@@ -111,9 +120,17 @@ def model_state_bytes(
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
         )
-    return strategy.engine.model_state_bytes(
+    states = strategy.engine.model_state_bytes(
         strategy, float(num_params), world_size, precision, optimizer, param_shapes
     )
+    if frozen_params < 0:
+        raise ValueError(f"frozen_params must be >= 0, got {frozen_params}")
+    if frozen_params == 0:
+        return states
+    frozen = strategy.engine.model_state_bytes(
+        strategy, float(frozen_params), world_size, precision, optimizer, frozen_param_shapes
+    )
+    return dataclasses.replace(states, params=states.params + frozen.params)
 
 
 def paper_grad_bytes(
@@ -132,12 +149,14 @@ def paper_grad_bytes(
 
 
 def full_replication_bytes(
-    num_params: int, precision: str = "fp32", optimizer: str = "adamw"
+    num_params: int, precision: str = "fp32", optimizer: str = "adamw", frozen_params: int = 0
 ) -> ModelStateBytes:
     """What every rank holds under plain data parallelism (the DDP figure)."""
     from dpkit.strategy import REFERENCE
 
-    return model_state_bytes(num_params, REFERENCE, 1, precision, optimizer)
+    return model_state_bytes(
+        num_params, REFERENCE, 1, precision, optimizer, frozen_params=frozen_params
+    )
 
 
 def savings_vs_replication(

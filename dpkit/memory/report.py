@@ -76,6 +76,11 @@ class MemoryReport:
     # FSDP2: every trainable parameter's whole shape, so the prediction pads each dim 0 to
     # a multiple of N as fully_shard does (None: the count's Psi/N).
     param_shapes: list[list[int]] | None = None
+    # Parameters that do not train (LoRA's frozen weights): counted as parameters only.
+    frozen_params: int = 0
+    frozen_param_shapes: list[list[int]] | None = None
+    # The LoRA adapters the run trained (dpkit.lora.LoraSettings.as_dict), or None.
+    lora: dict[str, Any] | None = None
 
     @property
     def predicted(self) -> ModelStateBytes:
@@ -86,6 +91,8 @@ class MemoryReport:
             self.precision,
             self.optimizer_name,
             param_shapes=self.param_shapes,
+            frozen_params=self.frozen_params,
+            frozen_param_shapes=self.frozen_param_shapes,
         )
 
     @property
@@ -96,7 +103,9 @@ class MemoryReport:
 
     @property
     def full_replication(self) -> ModelStateBytes:
-        return full_replication_bytes(self.num_params, self.precision, self.optimizer_name)
+        return full_replication_bytes(
+            self.num_params, self.precision, self.optimizer_name, self.frozen_params
+        )
 
     @property
     def worst_rank(self) -> dict[str, Any]:
@@ -219,6 +228,13 @@ class MemoryReport:
             "notes": list(self.notes),
             **({"model": self.model} if self.model is not None else {}),
             **({"param_shapes": self.param_shapes} if self.param_shapes is not None else {}),
+            "frozen_params": self.frozen_params,
+            **(
+                {"frozen_param_shapes": self.frozen_param_shapes}
+                if self.frozen_param_shapes is not None
+                else {}
+            ),
+            "lora": self.lora,
         }
 
     @classmethod
@@ -239,6 +255,9 @@ class MemoryReport:
             gradient_checkpointing=bool(data.get("gradient_checkpointing", False)),
             model=data.get("model"),
             param_shapes=data.get("param_shapes"),
+            frozen_params=int(data.get("frozen_params", 0)),
+            frozen_param_shapes=data.get("frozen_param_shapes"),
+            lora=data.get("lora"),
         )
 
     def save(self, path: str | Path) -> None:
@@ -282,6 +301,12 @@ class MemoryReport:
                     scalars[f"memory/rank{row['rank']}/{key}"] = float(peak[key])
         return {k: v for k, v in scalars.items() if math.isfinite(v)}
 
+    def _params_text(self) -> str:
+        if not self.frozen_params:
+            return f"{self.num_params:,} params"
+        lora = f" (LoRA r={self.lora['r']})" if self.lora else ""
+        return f"{self.num_params:,} trainable + {self.frozen_params:,} frozen params{lora}"
+
     def format_table(self) -> str:
         """The report as text for the log: one row per rank, then prediction, savings, residuals."""
         predicted = self.predicted.as_dict()
@@ -296,7 +321,7 @@ class MemoryReport:
                 else ""
             )
             + f", {self.world_size} ranks, {self.precision}, "
-            f"{self.optimizer_name}, {self.num_params:,} params, {self.device}"
+            f"{self.optimizer_name}, {self._params_text()}, {self.device}"
             + (f", step {self.step}" if self.step is not None else ""),
             _line("MiB", columns, peak_name),
         ]

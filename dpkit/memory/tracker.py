@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from dpkit.lora import lora_settings
 from dpkit.memory.analytic import canonical_precision
 from dpkit.memory.categories import MODEL_STATES
 from dpkit.memory.peak import current_summary, peak_figures, reset_peak
@@ -46,10 +47,18 @@ def count_params(model: torch.nn.Module) -> int:
     return count_parameters(unwrap_module(model), trainable_only=True)
 
 
-def param_shapes(model: torch.nn.Module) -> list[list[int]]:
-    """The whole shape of every trainable parameter, each once (``parameters()`` yields a
-    tied one once; an FSDP2 shard reports its whole tensor's shape)."""
-    return [list(p.shape) for p in unwrap_module(model).parameters() if p.requires_grad]
+def param_shapes(model: torch.nn.Module, trainable: bool = True) -> list[list[int]]:
+    """The whole shape of every trainable (or, ``trainable=False``, frozen) parameter,
+    each once (``parameters()`` yields a tied one once; an FSDP2 shard reports its whole
+    tensor's shape)."""
+    return [
+        list(p.shape) for p in unwrap_module(model).parameters() if p.requires_grad == trainable
+    ]
+
+
+def count_frozen_params(model: torch.nn.Module) -> int:
+    """Parameters of the unwrapped module that do not train (LoRA's frozen weights)."""
+    return sum(p.numel() for p in unwrap_module(model).parameters() if not p.requires_grad)
 
 
 def largest_param(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -310,6 +319,7 @@ class MemoryTracker:
                 "allocations are not resident)"
             )
         notes += self.strategy.engine.report_notes(self.strategy, self.model, self.optimizer)
+        frozen = count_frozen_params(self.model)
         return MemoryReport(
             strategy=self.strategy.name,
             precision=self.precision,
@@ -327,6 +337,13 @@ class MemoryTracker:
                 param_shapes(self.model) if self.strategy.engine.report_param_shapes() else None
             ),
             model=self.model_record,
+            frozen_params=frozen,
+            frozen_param_shapes=(
+                param_shapes(self.model, trainable=False)
+                if frozen and self.strategy.engine.report_param_shapes()
+                else None
+            ),
+            lora=lora_settings(unwrap_module(self.model)),
         )
 
     def log_report(self, step: int | None = None) -> MemoryReport | None:

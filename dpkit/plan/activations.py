@@ -395,7 +395,21 @@ def _trace_model(spec: ModelSpec, attention: str) -> Any:
         # Decoder classifiers find each row's last token by the padding id; the recipes
         # set it from the tokenizer (dpkit.models.classifier_labels).
         config.pad_token_id = 0
-    return build_meta_model(config, attn_implementation=attention, task=spec.task).train()
+    model = build_meta_model(config, attn_implementation=attention, task=spec.task)
+    if spec.lora is not None:  # frozen weights save less for backward than trained ones
+        from dpkit.lora import LoraSettings, apply_lora
+
+        targets = spec.lora["target_modules"]
+        model = apply_lora(
+            model,
+            LoraSettings(
+                r=int(spec.lora["r"]),
+                alpha=float(spec.lora["alpha"]),
+                dropout=float(spec.lora["dropout"]),
+                target_modules=(targets,) if isinstance(targets, str) else tuple(targets),
+            ),
+        )
+    return model.train()
 
 
 @contextlib.contextmanager

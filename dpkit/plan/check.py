@@ -121,9 +121,12 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
     """The model a dpkit recipe trains, its micro-batch and sequence length, from its
     ``run_config.json`` (or the same sections parsed from its flags: ``dpkit tune``);
     ``where`` names the source in the error for any other recipe."""
+    from dpkit.lora import LoraSettings
+
+    lora = LoraSettings.from_flags(config.get("StrategyConfig") or {})
     if "ModelConfig" in config and "TrainConfig" in config:  # recipes/finetune.py
         name = config["ModelConfig"]["model"]
-        spec = load_model(name, task="sequence_classification")
+        spec = load_model(name, task="sequence_classification", lora=lora)
         dropout = config["ModelConfig"].get("dropout")
         if dropout is not None and spec.config is not None:
             # --dropout set every dropout field of the run's model (ModelConfig.
@@ -144,7 +147,7 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
             **{k: v for k, v in config["LMWorkload"].items() if k in known}
         )
         name = workload.model_config or f"train_lm --size {workload.size}"
-        spec = spec_from_config(name, "recipe", lm_data.lm_config(workload))
+        spec = spec_from_config(name, "recipe", lm_data.lm_config(workload), lora=lora)
         return name, spec, workload.micro_batch_size, workload.seq_len
     raise UsageError(f"{where}: not from recipes/finetune.py or recipes/train_lm.py")
 

@@ -104,6 +104,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recompute each layer in backward (keeps only layer inputs)",
     )
     step.add_argument(
+        "--lora-r",
+        metavar="N",
+        default=None,
+        help="LoRA adapters of rank N train, the other weights frozen (as a run's --lora-r): "
+        "gradients and optimizer states for the adapters only",
+    )
+    step.add_argument(
+        "--lora-target-modules",
+        metavar="NAMES",
+        default=None,
+        help="with --lora-r: the layers that get adapters (default: peft's for the model)",
+    )
+    step.add_argument(
         "--attention",
         metavar="{sdpa,eager}",
         default="sdpa",
@@ -168,10 +181,29 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         args.gradient_accumulation_steps, "--gradient-accumulation-steps"
     )
     seq_len = None if args.seq_len is None else parse_positive_int(args.seq_len, "--seq-len")
+    lora = None
+    if args.lora_r is not None:
+        from dpkit.lora import LoraSettings
+
+        if args.params is not None:
+            raise UsageError(
+                f"--lora-r={args.lora_r}: needs --model (the adapters' layers and sizes come "
+                "from its config), not a bare --params"
+            )
+        lora = LoraSettings.from_flags(
+            {
+                "lora_r": parse_positive_int(args.lora_r, "--lora-r"),
+                "lora_target_modules": args.lora_target_modules,
+            }
+        )
+    elif args.lora_target_modules is not None:
+        raise UsageError(
+            f"--lora-target-modules={args.lora_target_modules}: has no effect without --lora-r"
+        )
     if args.params is not None:
         spec = ModelSpec(name=args.params, source="count", num_params=parse_count(args.params))
     else:
-        spec = load_model(args.model)
+        spec = load_model(args.model, lora=lora)
     if seq_len is None:
         seq_len = min(spec.max_positions or 1024, MAX_DEFAULT_SEQ_LEN)
     return PlanInputs(

@@ -185,7 +185,9 @@ def estimate(
         inputs.world_size,
         inputs.precision,
         optimizer,
-        param_shapes=inputs.model.param_shapes or None,
+        param_shapes=inputs.model.shapes_where(trains=True) or None,
+        frozen_params=inputs.model.frozen_params,
+        frozen_param_shapes=inputs.model.shapes_where(trains=False) or None,
     )
     activation_parts: dict[str, float] = {}
     precision = canonical_precision(inputs.precision)

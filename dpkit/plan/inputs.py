@@ -171,6 +171,22 @@ class ModelSpec:
     """The head the model is built with for the activation trace: the transformers class
     it was built as (``BertForSequenceClassification``), or ``causal_lm`` where that is
     unknown (a bare count, a class transformers does not export)."""
+    frozen_params: int = 0
+    """Parameters that do not train (LoRA's frozen weights): held, with no gradient and
+    no optimizer state. ``num_params`` counts the ones that train."""
+    trainable: tuple[bool, ...] = ()
+    """For each of ``param_shapes``, whether it trains (empty: all do)."""
+    lora: dict[str, Any] | None = field(default=None, compare=False)
+    """The LoRA adapters the model carries (:func:`dpkit.lora.lora_settings`), which the
+    activation trace puts back on the model it builds; None without."""
+
+    def shapes_where(self, trains: bool) -> tuple[tuple[int, ...], ...]:
+        """The shapes of the parameters that train (or, ``trains=False``, that do not)."""
+        if not self.trainable:
+            return self.param_shapes if trains else ()
+        return tuple(
+            s for s, t in zip(self.param_shapes, self.trainable, strict=True) if t == trains
+        )
 
     @property
     def has_shapes(self) -> bool:
@@ -223,21 +239,28 @@ def _load_config(name: str) -> tuple[Any, str]:
         raise UsageError(f"--model={name!r}: cannot read its config ({first_line(err)})") from None
 
 
-def load_model(name: str, task: str = "causal_lm") -> ModelSpec:
+def load_model(name: str, task: str = "causal_lm", lora: Any = None) -> ModelSpec:
     """Resolve ``--model`` and count its parameters on the meta device (``task``: see
-    :func:`build_meta_model`)."""
+    :func:`build_meta_model`; ``lora``: :func:`spec_from_config`)."""
     config, source = _load_config(name)
-    return spec_from_config(name, source, config, task)
+    return spec_from_config(name, source, config, task, lora=lora)
 
 
-def spec_from_config(name: str, source: str, config: Any, task: str = "causal_lm") -> ModelSpec:
-    """The :class:`ModelSpec` of ``config``, built on the meta device."""
+def spec_from_config(
+    name: str, source: str, config: Any, task: str = "causal_lm", lora: Any = None
+) -> ModelSpec:
+    """The :class:`ModelSpec` of ``config``, built on the meta device; with ``lora``
+    (:class:`~dpkit.lora.LoraSettings`) the adapters are put on it as a run puts them."""
     try:
         model = build_meta_model(config, task=task)
     except Exception as err:  # any model class may refuse a config; say which and why
         raise UsageError(
             f"--model={name!r}: cannot build it from its config ({first_line(err)})"
         ) from None
+    if lora is not None:
+        from dpkit.lora import apply_lora
+
+        model = apply_lora(model, lora)
     return spec_from_model(name, source, model, config=config)
 
 
@@ -255,6 +278,10 @@ def spec_from_model(
     (:func:`~dpkit.models.adamw_param_groups`). ``config``: the model's config (None:
     ``model.config``, where it has one).
     """
+    from dpkit.lora import is_lora_model, lora_settings
+
+    lora = lora_settings(model)
+    head = model.get_base_model() if is_lora_model(model) else model
     threshold = PERSISTENCE_THRESHOLD
     # parameters() yields each Parameter once, so tied weights count once
     # (dpkit.models.count_parameters keys on data_ptr, which is 0 for every meta tensor).
@@ -270,12 +297,16 @@ def spec_from_model(
     import transformers
 
     # The class itself, not the task asked for: activations follow the head it really has.
-    class_name = type(model).__name__
+    class_name = type(head).__name__
     task = class_name if hasattr(transformers, class_name) else "causal_lm"
+    frozen = any(not p.requires_grad for p in params)
     return ModelSpec(
         name=name,
         source=source,
-        num_params=sum(p.numel() for p in params),
+        num_params=sum(p.numel() for p in params if p.requires_grad),
+        frozen_params=sum(p.numel() for p in params if not p.requires_grad),
+        trainable=tuple(p.requires_grad for p in params) if frozen else (),
+        lora=lora,
         config=config if config is not None else getattr(model, "config", None),
         largest_layer_params=largest,
         small_tensor_params=sum(p.numel() for p in params if p.numel() < threshold),
@@ -321,6 +352,7 @@ def spec_record(spec: ModelSpec) -> dict[str, Any]:
     record["param_order"] = [list(where) for where in spec.param_order]
     record["param_shapes"] = [list(shape) for shape in spec.param_shapes]
     record["param_units"] = list(spec.param_units)
+    record["trainable"] = list(spec.trainable)
     # A transformers config rebuilds from its dict (spec_from_record); any other object a
     # custom module calls its config does not, and the layout alone plans model states.
     to_dict = getattr(spec.config, "to_dict", None)
@@ -343,7 +375,7 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
                 f"--against: cannot rebuild the config of {record.get('name')!r} "
                 f"({first_line(err)})"
             ) from None
-    laid_out = {"param_groups", "param_order", "param_shapes", "param_units", "task"}
+    laid_out = {"param_groups", "param_order", "param_shapes", "param_units", "task", "trainable"}
     known = {f.name for f in fields(ModelSpec)} - {"config"} - laid_out
     return ModelSpec(
         **{k: v for k, v in record.items() if k in known},
@@ -355,6 +387,7 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
         # Reports written before FSDP2 have no shapes: its figures are then Psi/N.
         param_shapes=tuple(tuple(shape) for shape in record.get("param_shapes", ())),
         param_units=tuple(record.get("param_units", ())),
+        trainable=tuple(bool(t) for t in record.get("trainable", ())),
     )
 
 

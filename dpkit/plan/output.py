@@ -37,7 +37,13 @@ def _describe_inputs(inputs: PlanInputs) -> list[str]:
     origin = f"{model.name} ({source[model.source]})" if model.source != "count" else "--params"
     precision = "fp32" if inputs.precision == "fp32" else f"{inputs.precision} mixed precision"
     return [
-        f"model: {origin}, {model.num_params:,} parameters",
+        f"model: {origin}, "
+        + (
+            f"{model.num_params:,} parameters"
+            if not model.frozen_params
+            else f"{model.num_params:,} trainable + {model.frozen_params:,} frozen parameters"
+            + (f" (LoRA r={model.lora['r']} on {_targets(model.lora)})" if model.lora else "")
+        ),
         f"GPUs: {inputs.world_size} ({inputs.nodes} node{'s' if inputs.nodes > 1 else ''} x "
         f"{inputs.gpus_per_node}) x "
         f"{format_gib(inputs.gpu_memory)}; usable per GPU {format_gib(inputs.usable)} "
@@ -184,6 +190,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "name": inputs.model.name,
             "source": inputs.model.source,
             "num_params": inputs.model.num_params,
+            "frozen_params": inputs.model.frozen_params,
+            "lora": inputs.model.lora,
         },
         "inputs": {
             "gpus_per_node": inputs.gpus_per_node,
@@ -218,3 +226,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
         },
         "not_counted": list(NOT_COUNTED),
     }
+
+
+def _targets(lora: dict) -> str:
+    targets = lora.get("target_modules")
+    return targets if isinstance(targets, str) else ", ".join(targets or [])

@@ -101,6 +101,43 @@ class StrategyConfig:
     (:func:`dpkit.models.enable_gradient_checkpointing`); the Trainer's own
     ``gradient_checkpointing=True`` is read from the model."""
 
+    lora_r: int | None = field(
+        default=None,
+        metadata={
+            "help": "Train LoRA adapters of rank N (peft) instead of the whole model: the "
+            "pretrained weights are frozen, so only the adapters (and a classifier's head) "
+            "have gradients and optimizer states."
+        },
+    )
+    """LoRA rank (:mod:`dpkit.lora`); None: every parameter trains."""
+    lora_alpha: float | None = field(
+        default=None,
+        metadata={"help": "LoRA's scaling numerator (the update is alpha/r x BA). Default: 2 x r."},
+    )
+    """LoRA alpha; None: twice the rank."""
+    lora_dropout: float = field(
+        default=0.0,
+        metadata={"help": "Dropout on the adapters' input (peft's default, 0)."},
+    )
+    """Dropout of the LoRA branch."""
+    lora_target_modules: str | None = field(
+        default=None,
+        metadata={
+            "help": "The layers that get adapters, by name (comma-separated, e.g. "
+            "q_proj,v_proj; all-linear: every linear layer but the output head). Default: "
+            "peft's choice for the architecture (BERT query,value; GPT-2 c_attn; Llama "
+            "q_proj,v_proj)."
+        },
+    )
+    """Module names (peft's ``target_modules``); None: peft's default for the model type."""
+
+    @property
+    def lora_target_module_names(self) -> tuple[str, ...] | None:
+        """``lora_target_modules`` as a tuple (None: not given)."""
+        if self.lora_target_modules is None:
+            return None
+        return tuple(n.strip() for n in self.lora_target_modules.split(",") if n.strip())
+
     @property
     def fsdp_layer_class_names(self) -> tuple[str, ...]:
         """``fsdp_layer_classes`` as a tuple (empty: not given)."""
@@ -126,12 +163,41 @@ class StrategyConfig:
                 f"--strategy={self.strategy} conflicts with --deepspeed={self.deepspeed!r}: "
                 "drop one of them"
             )
+        self._check_lora()
         if self.fsdp_layer_classes is not None:
             check_field(
                 bool(self.fsdp_layer_class_names),
                 "fsdp_layer_classes",
                 self.fsdp_layer_classes,
                 "name at least one class",
+            )
+
+    def _check_lora(self) -> None:
+        if self.lora_r is None:
+            given = [
+                f"--{name.replace('_', '-')}={getattr(self, name)}"
+                for name, default in (
+                    ("lora_alpha", None),
+                    ("lora_dropout", 0.0),
+                    ("lora_target_modules", None),
+                )
+                if getattr(self, name) != default
+            ]
+            if given:
+                raise UsageError(f"{given[0]}: has no effect without --lora-r (the adapters' rank)")
+            return
+        check_field(self.lora_r >= 1, "lora_r", self.lora_r, "must be a rank >= 1")
+        if self.lora_alpha is not None:
+            check_field(self.lora_alpha > 0, "lora_alpha", self.lora_alpha, "must be > 0")
+        check_field(
+            0.0 <= self.lora_dropout < 1.0, "lora_dropout", self.lora_dropout, "must be in [0, 1)"
+        )
+        if self.lora_target_modules is not None:
+            check_field(
+                bool(self.lora_target_module_names),
+                "lora_target_modules",
+                self.lora_target_modules,
+                "name at least one layer",
             )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from dpkit.engines.base import EngineSettings
 from dpkit.errors import UsageError
+from dpkit.lora import LoraSettings
 from dpkit.models import ModelSizes
 from dpkit.strategy import Strategy
 from dpkit.train.config import StrategyConfig
@@ -90,6 +91,8 @@ class Resolution:
     """The peak learning rate, scaled with the global batch if asked (None: not given)."""
     gradient_checkpointing: bool = False
     """The model's layers recompute their activations in backward (``--gradient-checkpointing``)."""
+    lora: LoraSettings | None = None
+    """LoRA adapters train instead of the whole model (``--lora-r``), or None."""
 
     @property
     def engine(self) -> Any:
@@ -194,6 +197,7 @@ def resolve(
         settings=settings,
         learning_rate=learning_rate,
         gradient_checkpointing=args.gradient_checkpointing,
+        lora=LoraSettings.from_args(args),
     )
 
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from typing import Any
@@ -67,6 +68,11 @@ class RunInfo:
     """Where the optimizer state lives off the device (DeepSpeed offload), or None."""
     gradient_checkpointing: bool = False
     """Whether the model recomputes its layers' activations in backward (read from it)."""
+    frozen_params: int = 0
+    """Parameters that do not train (LoRA's frozen pretrained weights): held, no
+    gradients, no optimizer state."""
+    lora: dict | None = None
+    """The LoRA adapters trained (:class:`~dpkit.lora.LoraSettings`), or None."""
     ddp_forward_sync_buffers: bool | None = None
     """DDP: whether buffers are re-broadcast before each forward (None: not DDP)."""
     notes: str = ""
@@ -80,6 +86,11 @@ class RunInfo:
             lr += f" | offload_optimizer={self.offload_optimizer}"
         if self.gradient_checkpointing:
             lr += " | gradient checkpointing"
+        if self.lora is not None:
+            lr += (
+                f" | LoRA r={self.lora['r']} alpha={self.lora['alpha']:g}: "
+                f"{self.num_params:,} trainable, {self.frozen_params:,} frozen params"
+            )
         if self.ddp_forward_sync_buffers is False:
             lr += " | buffers synced at init only (all constants)"
         return (
@@ -193,6 +204,23 @@ class Run:
 
     # ---- building what prepare takes ---------------------------------------------------
 
+    def apply_lora(self, model: Any) -> Any:
+        """With ``--lora-r``: ``model`` with LoRA adapters (peft; :mod:`dpkit.lora`), its
+        pretrained weights frozen; without: ``model`` as it is. Call it after loading the
+        weights and before building the optimizer (which then holds what trains);
+        :meth:`prepare` refuses a LoRA run whose model or optimizer skipped it."""
+        if self.resolution.lora is None:
+            return model
+        import torch
+
+        from dpkit.lora import apply_lora
+
+        # The adapters' initial values from the run's seed, the same on every rank (FSDP2
+        # broadcasts nothing) and whatever the RNG has drawn so far, which stays untouched.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.seed)
+            return apply_lora(model, self.resolution.lora)
+
     def make_optimizer(self, params: Any, lr: float, weight_decay: float) -> Any:
         """torch AdamW under every strategy, fused where torch has the kernel
         (:func:`dpkit.models.adamw`), so losses compare across strategies; a backend
@@ -245,6 +273,7 @@ class Run:
 
             for module in (o for o in objects if _is_module(o)):
                 enable_gradient_checkpointing(module)
+        _check_lora(self.resolution.lora, objects)
         prepared = self.engine.prepare(self, objects)
         model = next((o for o in prepared if _is_module(o)), None)
         optimizer = next((o for o in prepared if _is_optimizer(o)), None)
@@ -289,7 +318,8 @@ class Run:
         """What runs, from the live objects, or an error."""
         import torch.distributed as dist
 
-        from dpkit.models import count_parameters, is_gradient_checkpointing
+        from dpkit.lora import frozen_and_trainable, lora_settings
+        from dpkit.models import is_gradient_checkpointing
 
         acc, asked = self.accelerator, self.resolution
         if acc.num_processes != asked.world_size:
@@ -298,6 +328,7 @@ class Run:
                 f"{acc.num_processes}: the processes would train unconnected copies"
             )
         found = self.engine.after_prepare(self, model, optimizer)
+        frozen, trainable = frozen_and_trainable(acc.unwrap_model(model))
         checkpointing = is_gradient_checkpointing(acc.unwrap_model(model))
         if checkpointing != asked.gradient_checkpointing:
             raise RuntimeError(
@@ -319,8 +350,10 @@ class Run:
             gradient_accumulation_steps=asked.gradient_accumulation_steps,
             global_batch_size=asked.global_batch_size,
             learning_rate=asked.learning_rate,
-            num_params=count_parameters(acc.unwrap_model(model), trainable_only=True),
+            num_params=trainable,
             gradient_checkpointing=checkpointing,
+            frozen_params=frozen,
+            lora=lora_settings(acc.unwrap_model(model)),
             notes="; ".join(asked.notes),
             **{**asked.settings.run_info(), **found.run_info},
         )
@@ -390,6 +423,39 @@ class Run:
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         return report
+
+
+def _check_lora(asked: Any, objects: Sequence[Any]) -> None:
+    """Refuse a LoRA run whose model has no adapters (``run.apply_lora`` skipped) or
+    whose optimizer was built before them (the adapters would never step). A peft model
+    the script made itself, without ``--lora-r``, runs as it is (and is counted so)."""
+    from dpkit.lora import is_lora_model
+
+    model = next((o for o in objects if _is_module(o)), None)
+    optimizer = next(
+        (o for o in objects if _is_optimizer(o) or type(o).__name__ == "DummyOptim"), None
+    )
+    if model is None:
+        return
+    has_lora = is_lora_model(model)
+    if asked is not None and not has_lora:
+        raise UsageError(
+            f"--lora-r={asked.r}: the model has no LoRA adapters; call "
+            "run.apply_lora(model) after loading it and before building the optimizer"
+        )
+    if asked is None or optimizer is None:
+        return
+    # A DeepSpeed JSON's optimizer comes as accelerate's DummyOptim, which has .params.
+    groups = getattr(optimizer, "param_groups", None) or list(getattr(optimizer, "params", []))
+    held = {
+        id(p) for group in groups for p in (group["params"] if isinstance(group, dict) else [group])
+    }
+    missing = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if missing:
+        raise UsageError(
+            f"--lora-r={asked.r}: the optimizer does not hold {len(missing)} trainable "
+            f"parameter(s) ({missing[0]}, ...); build it after run.apply_lora(model)"
+        )
 
 
 def _is_module(obj: Any) -> bool:
@@ -621,6 +687,7 @@ def setup(
         step_scheduler_with_optimizer, log_with: accelerate's switches (its trackers).
     """
     from dpkit.checkpoints.resume import model_name
+    from dpkit.lora import LoraSettings, meta_copy_with_lora
     from dpkit.train.config import config_dict, parse_args
     from dpkit.train.guards import refuse_and_exit
 
@@ -628,6 +695,13 @@ def setup(
         (args,) = parse_args(StrategyConfig)
     log_once_per_job()
     with refuse_and_exit():
+        name = model_name(model, configs)
+        lora = LoraSettings.from_args(args)
+        if lora is not None:
+            # The adapters placed on a meta copy: a target that matches nothing is refused
+            # here, ZeRO's buckets are sized to what trains, a resume compares the names
+            # the run will have. run.apply_lora puts them on the loaded model.
+            model = meta_copy_with_lora(model, lora)
         resolution = resolve(
             args,
             model=model,
@@ -638,7 +712,6 @@ def setup(
             scale_lr=scale_lr,
             weight_decay=weight_decay,
         )
-        name = model_name(model, configs)
         if args.gradient_checkpointing and _is_module(model):
             from dpkit.models import check_gradient_checkpointing
 

@@ -35,6 +35,7 @@ def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> d
     return {
         name: {k: torch_opt.state[param][k].to("cpu", torch.float32).clone() for k in ADAM_MOMENTS}
         for name, param in module.named_parameters()
+        if param.requires_grad  # a frozen weight (LoRA's) has no moments
     }
 
 
@@ -44,6 +45,8 @@ def load_moments(
     """Whole moments by name into the torch optimizer's state."""
     torch_opt = inner_torch_optimizer(optimizer)
     for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
         torch_opt.state[param] = {
             "step": step.clone(),
             **{k: moments[name][k].to(param.device, param.dtype) for k in ADAM_MOMENTS},

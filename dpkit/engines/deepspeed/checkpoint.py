@@ -56,6 +56,8 @@ def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> d
     _relink_moments(zero, torch_opt)
     moments = {}
     for name, param in module.named_parameters():
+        if not param.requires_grad:  # a frozen weight (LoRA's) is in no ZeRO group
+            continue
         entry = {}
         for key in ADAM_MOMENTS:
             value = safe_get_full_optimizer_state(param, key)

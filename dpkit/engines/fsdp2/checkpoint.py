@@ -46,7 +46,8 @@ def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> d
         return {}
     return {
         name: {k: state[name][k].to("cpu", torch.float32) for k in ADAM_MOMENTS}
-        for name, _ in module.named_parameters()
+        for name, param in module.named_parameters()
+        if param.requires_grad  # a frozen weight (LoRA's) has no moments
     }
 
 
@@ -80,6 +81,7 @@ def load_moments(
     state = {
         name: {"step": step.clone(), **{k: moments[name][k] for k in ADAM_MOMENTS}}
         for name in name_of.values()
+        if name in moments  # trainable parameters; frozen ones have none
     }
     set_optimizer_state_dict(
         module,

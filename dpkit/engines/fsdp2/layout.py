@@ -89,6 +89,7 @@ def transient_bytes(
     world_size: int,
     compute_bytes: int,
     reshard_after_forward: bool,
+    trainable: Sequence[bool] | None = None,
 ) -> dict[str, float]:
     """Bytes one rank holds at the start of backward besides its sharded states, by name.
 
@@ -110,11 +111,16 @@ def transient_bytes(
         compute_bytes: bytes per element of the whole parameters and their gradients
             (2 under bf16/fp16 mixed precision, 4 in fp32).
         reshard_after_forward: the strategy's (FSDP2 full-shard: True).
+        trainable: for each shape, whether it trains (None: all do). Frozen parameters
+            (LoRA's) are gathered whole like the rest but get no gradient.
     """
     root, layers = units(shapes, unit_of)
     padded_whole = sorted((world_size * shard_numel(u, world_size) for u in layers), reverse=True)
     root_whole = world_size * shard_numel(root, world_size)
     gathered = padded_whole[:2] if reshard_after_forward else padded_whole
+    if trainable is not None:
+        kept = [i for i, trains in enumerate(trainable) if trains]
+        root, layers = units([shapes[i] for i in kept], [unit_of[i] for i in kept])
     largest_reduce = max(
         compute_bytes * numel(unit) + REDUCE_BYTES * world_size * shard_numel(unit, world_size)
         for unit in [root, *layers]

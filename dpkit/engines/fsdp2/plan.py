@@ -62,9 +62,14 @@ def buffer_bytes(
     if not spec.param_shapes:
         if reshard_after_forward:
             return {}
-        return {"fsdp2_whole_params": float(compute_bytes * spec.num_params)}
+        return {"fsdp2_whole_params": float(compute_bytes * (spec.num_params + spec.frozen_params))}
     parts = layout.transient_bytes(
-        spec.param_shapes, spec.param_units, world_size, compute_bytes, reshard_after_forward
+        spec.param_shapes,
+        spec.param_units,
+        world_size,
+        compute_bytes,
+        reshard_after_forward,
+        trainable=spec.trainable or None,
     )
     return {f"fsdp2_{name}": value for name, value in parts.items()}
 
