@@ -39,8 +39,10 @@ FSDP2_MODES = ("fsdp2_shard_grad_op", "fsdp2_full_shard")
 RUNS = [(strategy, precision) for precision in ("no", "bf16") for strategy in STRATEGIES]
 # With gradient checkpointing: every strategy in fp32, and one in bf16 (16-bit weights).
 CHECKPOINTED = [*((strategy, "no") for strategy in STRATEGIES), ("fsdp2_full_shard", "bf16")]
-# With LoRA (rank 4 on c_attn, tests/numerics_script.py): every strategy in fp32.
+# With LoRA (rank 4 on c_attn, tests/numerics_script.py): every strategy in fp32, and bf16
+# under ZeRO-2 (the whole module cast to bf16, frozen weights too) and FSDP2 full-shard.
 LORA = STRATEGIES
+LORA_BF16 = ("zero2", "fsdp2_full_shard")
 
 # fp32 losses against the fp32 reference. Measured: every strategy within 8.6e-8 relative
 # at every point (the rounding of a mean of four fp32 losses; the 2-rank sum against the
@@ -120,6 +122,7 @@ def numerics(module_tmp) -> Runs:
         [f"{strategy}:{precision}" for strategy, precision in RUNS]
         + [f"{strategy}:{precision}:gc" for strategy, precision in CHECKPOINTED]
         + [f"{strategy}:no:lora" for strategy in LORA]
+        + [f"{strategy}:bf16:lora" for strategy in LORA_BF16]
     )
     started = time.monotonic()
     run(torchrun_cmd(2, "--runs", pairs, str(root), recipe=SCRIPT), root).check()
@@ -297,8 +300,8 @@ LORA_TRAINABLE = 2 * (4 * 30 + 90 * 4)
 STATE_RTOL = 0.01
 
 
-def _lora_info(numerics: Runs, strategy: str) -> tuple[dict, dict]:
-    folder = numerics.folder(strategy, "no", lora=True)
+def _lora_info(numerics: Runs, strategy: str, precision: str = "no") -> tuple[dict, dict]:
+    folder = numerics.folder(strategy, precision, lora=True)
     info = json.loads((folder / "run_info.json").read_text())
     report = json.loads((folder / "memory_report.json").read_text())
     return info, report
@@ -364,3 +367,22 @@ def test_lora_runs_hold_gradients_and_moments_for_the_adapters_only(numerics, st
     for category in ("params", "optimizer", "total"):
         assert abs(check.error_pct[category]) <= 100 * STATE_RTOL, check.error_pct
     assert abs(check.error_pct["activations"]) <= ACTIVATION_TOLERANCE_PCT, check.error_pct
+
+
+@pytest.mark.parametrize("strategy", LORA_BF16)
+def test_bf16_lora_runs_stay_within_bf16_rounding_and_keep_fp32_moments(numerics, strategy):
+    info, report = _lora_info(numerics, strategy, "bf16")
+    assert (info["precision"], info["num_params"]) == ("bf16", LORA_TRAINABLE)
+    reference = _trajectory(numerics.lora_reference)
+    losses = numerics.losses(strategy, "bf16", lora=True)
+    deviation = max_rel_diff(losses, reference, length=6)
+    assert BF16_MIN_DEVIATION < deviation <= BF16_RTOL, (deviation, losses, reference)
+    total = LORA_TRAINABLE + info["frozen_params"]
+    measured = {k: max(r[k] for r in report["ranks"]) for k in ("params", "optimizer")}
+    # Adam's fp32 moments for the adapters only, over 2 ranks; ZeRO-2 holds the whole
+    # module in bf16 (frozen weights too), FSDP2 fp32 shards (bf16 only while computing).
+    assert measured["optimizer"] == pytest.approx(8 * LORA_TRAINABLE / 2, rel=STATE_RTOL)
+    if strategy == "zero2":
+        assert measured["params"] == 2 * total
+    else:
+        assert 4 * total / 2 <= measured["params"] <= 4 * total / 2 + 4 * 30 * 4
