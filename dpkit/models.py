@@ -260,16 +260,20 @@ def is_gradient_checkpointing(model: Any) -> bool:
 
 def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     """The recipes' two optimizer groups: matrices and embeddings decay, biases and norm
-    weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order.
+    weights (1-d) do not (GPT-2's and BERT's convention); ``parameters()`` order; only
+    the trainable parameters, and no empty group.
 
     DeepSpeed flattens and partitions each group on its own, so ``dpkit plan`` lays the
     gradients out from these same groups (:mod:`dpkit.engines.deepspeed.layout`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    return [
+    groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    # An empty group (LoRA's adapters are all matrices) is left out: DeepSpeed drops it,
+    # and a scheduler built over two groups then fails on the optimizer's one.
+    return [group for group in groups if group["params"]]
 
 
 def adamw(param_groups: Any, lr: float, weight_decay: float) -> Any:

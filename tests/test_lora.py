@@ -119,6 +119,22 @@ def test_prepare_refuses_a_lora_run_whose_model_or_optimizer_skipped_the_adapter
         _check_lora(settings, [model, DummyOptim(trainable[1:])])
 
 
+def test_the_recipes_optimizer_groups_leave_out_an_empty_one():
+    """GPT-2's adapters are all matrices: no bias trains, so the recipes' no-decay group
+    would be empty; DeepSpeed drops an empty group, and a scheduler built over two then
+    failed at its first step (seen: recipes/train_lm.py --lora-r 8 under ZeRO-2)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dpkit.lora import LoraSettings, apply_lora
+    from dpkit.models import adamw_param_groups
+
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64))
+    model = apply_lora(model, LoraSettings(r=4, alpha=8.0))
+    groups = adamw_param_groups(model, weight_decay=0.1)
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(4, 0.1)]  # 2 x (A, B)
+
+
 # ---- the arithmetic ----------------------------------------------------------------------------
 
 

@@ -19,3 +19,4 @@ for strategy in ddp zero2 fsdp2_full_shard; do
     done
   done
 done
+python "$(dirname "$0")/levers_gpt2_table.py" "$out"
