@@ -365,13 +365,15 @@ def test_the_winner_files_launch_the_winner(budget_run, tmp_path):
 def test_a_failed_trial_is_recorded_and_sigterm_stops_after_the_running_one(tmp_path):
     """One tune of a recipe that fails at micro-batch 1: the current configuration
     (micro-batch 1) fails first, the tune goes on to the next trial, and a SIGTERM during
-    that trial lets it finish, starts nothing more and still writes the report."""
+    that trial lets it finish, starts nothing more and still writes the report. Every
+    candidate checkpointed (``--gradient-checkpointing on``): the one trial that runs
+    is the tune's real checkpointed launch, and the winner's command keeps the flag."""
     out = tmp_path / "failing"
     cmd = _tune_cmd(
         out,
         "--recipe", str(harness.REPO / "tests" / "failing_recipe.py"),
         "--strategies", "ddp,zero2", "--micro-batch-sizes", "1,2", "--micro-batch-size", "1",
-        "--global-batch-size", "4",
+        "--global-batch-size", "4", "--gradient-checkpointing", "on",
     )  # fmt: skip
     proc = subprocess.Popen(
         cmd,
@@ -386,7 +388,7 @@ def test_a_failed_trial_is_recorded_and_sigterm_stops_after_the_running_one(tmp_
     try:
         for line in proc.stdout:
             lines.append(line)
-            if "[2/4] ddp-mb2x1" in line and "starting" in line:
+            if "[2/4] ddp-mb2x1-ckpt" in line and "starting" in line:
                 time.sleep(2)
                 os.kill(proc.pid, signal.SIGTERM)
                 break
@@ -397,17 +399,23 @@ def test_a_failed_trial_is_recorded_and_sigterm_stops_after_the_running_one(tmp_
     assert proc.returncode == 0, output[-3000:]
     results = _results(out)
     failed, ran, *stopped = results["trials"]
-    assert failed["name"] == "ddp-mb1x2" and failed["status"] == "failed"
+    assert failed["name"] == "ddp-mb1x2-ckpt" and failed["status"] == "failed"
     assert "refusing micro-batch 1 (forced)" in failed["reason"], failed["reason"]
-    assert ran["name"] == "ddp-mb2x1" and ran["status"] == "ok"  # finished, not killed
+    assert ran["name"] == "ddp-mb2x1-ckpt" and ran["status"] == "ok"  # finished, not killed
     assert ran["figures"]["timed_steps"] == 2
-    assert [t["name"] for t in stopped] == ["zero2-mb2x1", "zero2-mb1x2"]
+    # It ran checkpointed: the run says so itself (the trial's read checks it too).
+    info = json.loads((out / "trials" / ran["name"] / "run" / "run_info.json").read_text())
+    assert info["gradient_checkpointing"] is True and ran["gradient_checkpointing"] is True
+    assert [t["name"] for t in stopped] == ["zero2-mb2x1-ckpt", "zero2-mb1x2-ckpt"]
     assert all(t["status"] == "not run" and "SIGTERM" in t["reason"] for t in stopped)
-    assert "SIGTERM" in results["stopped"] and results["winner"] == "ddp-mb2x1"
+    assert "SIGTERM" in results["stopped"] and results["winner"] == "ddp-mb2x1-ckpt"
     assert results["speedup_over_baseline"] is None  # the current configuration failed
     table = (out / "results.md").read_text()
     assert "refusing micro-batch 1" in table and "Stopped early: stopped by SIGTERM" in table
-    assert (out / "winner" / "command.sh").is_file()
+    command = (out / "winner" / "command.sh").read_text()
+    assert (
+        "--micro-batch-size 2 --gradient-accumulation-steps 1 --gradient-checkpointing" in command
+    )
 
 
 @pytest.mark.parametrize(

@@ -126,6 +126,7 @@ def test_a_candidates_name_and_json_keys_say_what_it_runs():
         "micro_batch_size": 1,
         "gradient_accumulation_steps": 4,
         "zero_overrides": {"contiguous_gradients": True, "overlap_comm": False},
+        "gradient_checkpointing": False,
         "round": 2,
     }
     assert space.Candidate("ddp", 4, 1).as_dict()["round"] == 1
@@ -684,15 +685,20 @@ def test_the_plan_predicts_each_candidate_with_its_own_settings():
     from dpkit.plan.recommend import make_plan
 
     # The tiny GPT-2 (its 2^21-element embedding fits dpkit's 2^21 bucket, so contiguous
-    # gradients stay on): ZeRO-2's buffer is one fp32 flat bucket, 4 B x 2^21 (x 2^23 with
-    # that bucket); on CUDA overlap_comm adds a second (docs/memory.md, overlap_comm).
+    # gradients stay on): ZeRO-2 holds one fp32 flat bucket, 4 B x 2^21, and while
+    # reducing a flat copy of the fullest bucket: the embedding alone, 8192 x 256 = 2^21
+    # elements (a 2-rank run's memory report measured both, 8 MiB each). With a 2^23
+    # bucket every gradient fits one bucket: 5,289,472 elements (embeddings 2^21 + 128 x
+    # 256, 4 layers of 789,760, the final norm 512). On CUDA overlap_comm adds a second
+    # bucket (docs/memory.md, overlap_comm).
+    tiny_params = 2**21 + 128 * 256 + 4 * 789_760 + 512
     tiny = space.MemoryPlan(_lm_settings("tiny"))
-    assert tiny.estimate(space.Candidate("zero2", 4, 1)).buffers == 4 * 2**21
+    assert tiny.estimate(space.Candidate("zero2", 4, 1)).buffers == 4 * 2**21 + 4 * 2**21
     bucket = space.Candidate("zero2", 4, 1, (("reduce_bucket_size", 2**23),))
-    assert tiny.estimate(bucket).buffers == 4 * 2**23
+    assert tiny.estimate(bucket).buffers == 4 * 2**23 + 4 * tiny_params
     tiny_cuda = copy.copy(tiny)
     tiny_cuda.settings = replace(tiny.settings, device="cuda")
-    assert tiny_cuda.estimate(space.Candidate("zero2", 4, 1)).buffers == 2 * 4 * 2**21
+    assert tiny_cuda.estimate(space.Candidate("zero2", 4, 1)).buffers == 2 * 4 * 2**21 + 4 * 2**21
     # The small GPT-2: activations are per micro-batch (4 samples hold 4x one's, up to the
     # trace's few hundred bytes that do not grow with the batch: 15.3 MB a sample), and
     # under accumulation ZeRO-2 keeps the accumulated whole gradients beside the next
@@ -857,3 +863,169 @@ def replace_output(settings: TuneSettings, out: Path) -> TuneSettings:
     from dataclasses import replace
 
     return replace(settings, output_dir=out)
+
+
+# ---- activation checkpointing as a dimension -----------------------------------------------
+
+
+def _with_flag(settings: TuneSettings) -> TuneSettings:
+    """The settings of a recipe whose --help lists --gradient-checkpointing."""
+    from dataclasses import replace
+
+    recipe = replace(settings.recipe, flags=frozenset({"gradient-checkpointing"}))
+    return replace(settings, recipe=recipe)
+
+
+def test_checkpointing_modes_shape_the_first_round():
+    """on: every candidate checkpointed; both: each plain one followed by its checkpointed
+    twin; auto and off: plain only (auto adds twins once the budget bites)."""
+    plain = [c.name for c in space.first_round(_settings(strategies=("ddp", "zero2")))]
+    assert plain[:2] == ["ddp-mb4x1", "ddp-mb2x2"] and len(plain) == 6
+    for mode in ("auto", "off"):
+        names = [c.name for c in space.first_round(_settings(strategies=("ddp", "zero2"),
+                                                              gradient_checkpointing=mode))]  # fmt: skip
+        assert names == plain
+    on = space.first_round(_settings(strategies=("ddp", "zero2"), gradient_checkpointing="on"))
+    assert [c.name for c in on] == [f"{name}-ckpt" for name in plain]
+    assert all(c.gradient_checkpointing for c in on)
+    both = space.first_round(_settings(strategies=("ddp", "zero2"), gradient_checkpointing="both"))
+    assert [c.name for c in both][:4] == [
+        "ddp-mb4x1", "ddp-mb4x1-ckpt", "ddp-mb2x2", "ddp-mb2x2-ckpt"
+    ]  # fmt: skip
+    assert len(both) == 12
+    # The flag reaches the recipe, and the JSON says it; a ZeRO variant keeps it.
+    from dpkit.tune.trials import recipe_command
+
+    ckpt = space.Candidate("zero2", 2, 2, gradient_checkpointing=True)
+    assert recipe_command(_settings(), ckpt)[-1] == "--gradient-checkpointing"
+    assert "--gradient-checkpointing" not in recipe_command(
+        _settings(), ckpt.__class__("zero2", 2, 2)
+    )
+    assert ckpt.as_dict()["gradient_checkpointing"] is True
+    variants = space.second_round(ckpt, {"reduce_bucket_size": 2**21}, _settings())
+    assert variants and all(v.gradient_checkpointing and v.round == 2 for v in variants)
+    assert variants[0].name == "zero2-mb2x2-ckpt-bucket512K"
+
+
+def test_auto_adds_the_checkpointed_twin_of_what_does_not_fit_once():
+    settings = _settings(gradient_checkpointing="auto")
+    plain = [space.Candidate("ddp", 4, 1), space.Candidate("zero2", 4, 1)]
+    known = {c.name for c in plain}
+    twins = space.checkpointed_twins(plain, known, settings)
+    assert [t.name for t in twins] == ["ddp-mb4x1-ckpt", "zero2-mb4x1-ckpt"]
+    assert space.checkpointed_twins(plain, known, settings) == []  # known by now
+    assert space.checkpointed_twins(twins, set(), settings) == []  # no twin of a twin
+    for mode in ("off", "on", "both"):
+        assert space.checkpointed_twins(plain, set(), _settings(gradient_checkpointing=mode)) == []
+
+
+def test_the_tuner_finds_what_did_not_fit_measured_or_out_of_memory():
+    """Over the budget as measured, or a CUDA out-of-memory failure: the twins' source.
+    Another failure is not a memory matter."""
+    from dpkit.tune.run import _Stop, _Tuner
+
+    tuner = _Tuner(replace_budget(_settings(), 150.0), {}, _Stop())
+    oom = Trial(space.Candidate("zero1", 4, 1), status=FAILED,
+                reason="exit code 1; torch.OutOfMemoryError: CUDA out of memory. Tried to ...")  # fmt: skip
+    crash = Trial(space.Candidate("zero1", 2, 2), status=FAILED, reason="exit code 1; KeyError")
+    tuner.trials = [_trial("ddp", 4, 1.0, memory=200.0), _trial("zero2", 4, 1.0, memory=100.0),
+                    oom, crash]  # fmt: skip
+    assert [c.name for c in tuner.did_not_fit()] == ["ddp-mb4x1", "zero1-mb4x1"]
+
+
+def replace_budget(settings: TuneSettings, budget: float) -> TuneSettings:
+    from dataclasses import replace
+
+    return replace(settings, memory_budget=budget)
+
+
+def test_a_plain_candidate_wins_a_tie_with_its_checkpointed_twin_and_is_the_reference():
+    plain = _trial("ddp", 4, 1.00, losses=[2.0, 1.9])
+    ckpt = Trial(
+        space.Candidate("ddp", 4, 1, gradient_checkpointing=True),
+        status=OK,
+        figures={"median_step_time_s": 0.99, "memory_bytes": 50.0, "losses": [2.0, 1.9]},
+    )
+    zero2 = _trial("zero2", 4, 1.2, losses=[2.0, 1.9])
+    for order in ([plain, ckpt, zero2], [ckpt, zero2, plain]):
+        decision = decide(order, "ddp-mb4x1", None, "no", tie_tolerance=0.02)
+        assert decision.winner.name == "ddp-mb4x1"  # 1% slower, no recomputation
+        assert decision.verdicts["zero2-mb4x1"].loss_reference == "ddp-mb4x1"
+    # Under a budget only the twin fits: it wins.
+    decision = decide([plain, ckpt, zero2], "ddp-mb4x1", 80.0, "no", tie_tolerance=0.02)
+    assert decision.winner.name == "ddp-mb4x1-ckpt"
+
+
+def test_the_plan_predicts_a_checkpointed_candidate_as_dpkit_plan_does():
+    """The checkpointed twin: the same model states, the activations of
+    `dpkit plan --activation-checkpointing` (a layer's input kept per layer, not its
+    insides), so less than the plain candidate's."""
+    from dataclasses import replace
+
+    from dpkit.plan.inputs import PlanInputs
+    from dpkit.plan.recommend import make_plan
+
+    settings = replace(_lm_settings("small", device="cuda"),
+                       config=TuneConfig(gradient_checkpointing="both"))  # fmt: skip
+    plan = space.MemoryPlan(settings)
+    plain = plan.estimate(space.Candidate("ddp", 4, 1))
+    ckpt = plan.estimate(space.Candidate("ddp", 4, 1, gradient_checkpointing=True))
+    assert (ckpt.params, ckpt.grads, ckpt.optimizer) == (plain.params, plain.grads, plain.optimizer)
+    assert 0 < ckpt.activations < 0.5 * plain.activations
+    inputs = PlanInputs(
+        model=plan.spec, gpus_per_node=2, gpu_memory=2**40, precision="fp32", micro_batch=4,
+        gradient_accumulation_steps=1, seq_len=32, reserve=0, headroom=0.0,
+        activation_checkpointing=True,
+    )  # fmt: skip
+    rows = {row.strategy: row for row in make_plan(inputs).rows}
+    assert (
+        plan.predict(space.Candidate("ddp", 4, 1, gradient_checkpointing=True)) == rows["ddp"].total
+    )
+
+
+def test_checkpointing_needs_the_recipes_flag_and_is_the_tunes_to_set(tmp_path):
+    """on/both with a recipe that has no --gradient-checkpointing: refused; auto then
+    searches nothing and says so; the flag among the recipe's arguments: refused."""
+    from dpkit.tune.config import tune_settings
+
+    with pytest.raises(UsageError, match=re.escape("gradient_checkpointing='sometimes': one of")):
+        TuneConfig(gradient_checkpointing="sometimes")
+    with pytest.raises(UsageError, match=re.escape(
+        "recipe argument '--gradient-checkpointing': dpkit tune decides checkpointing per trial")):  # fmt: skip
+        TuneConfig(recipe_args=("--gradient-checkpointing",))
+    script = tmp_path / "plain.py"
+    script.write_text(
+        "import argparse\np = argparse.ArgumentParser()\n"
+        "for f in ('--micro-batch-size', '--gradient-accumulation-steps', '--max-steps', "
+        "'--output-dir'):\n    p.add_argument(f)\np.parse_args()\n"
+    )
+    env = dict(os.environ)
+    with pytest.raises(UsageError, match=re.escape(
+        "--gradient-checkpointing=both: plain.py's --help lists no --gradient-checkpointing")):  # fmt: skip
+        tune_settings(TuneConfig(recipe=str(script), micro_batch_size=2,
+                                 gradient_checkpointing="both"), 0, env)  # fmt: skip
+    settings = tune_settings(TuneConfig(recipe=str(script), micro_batch_size=2), 0, env)
+    assert settings.config.gradient_checkpointing == "off"
+    assert settings.checkpointing_note == (
+        "checkpointing not searched (plain.py has no --gradient-checkpointing)"
+    )
+    assert _with_flag(_settings()).checkpointing_note == "checkpointed where plain does not fit"
+
+
+def test_with_every_candidate_checkpointed_so_is_the_current_configuration():
+    settings = _settings(baseline_strategy="zero2", gradient_checkpointing="on")
+    assert space.baseline(settings).name == "zero2-mb4x1-ckpt"
+    names = [c.name for c in space.first_round(settings)]
+    assert names[0] == "zero2-mb4x1-ckpt" and len(names) == len(set(names)) == 15
+    assert space.baseline(_settings(gradient_checkpointing="both")).name == "ddp-mb4x1"
+
+
+def test_the_plan_traces_only_the_activations_the_search_needs():
+    """A trace per checkpointing setting searched: ``off`` plain, ``on`` checkpointed,
+    ``auto`` and ``both`` both (auto may add twins)."""
+    from dataclasses import replace
+
+    expected = {"off": {False}, "on": {True}, "auto": {False, True}, "both": {False, True}}
+    for mode, kinds in expected.items():
+        settings = replace(_lm_settings("tiny"), config=TuneConfig(gradient_checkpointing=mode))
+        assert set(space.MemoryPlan(settings).activations) == kinds, mode

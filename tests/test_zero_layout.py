@@ -378,3 +378,30 @@ def test_an_empty_group_holds_nothing():
         contiguous_gradients=False,
     )  # fmt: skip
     assert [(r.backward, r.step, r.partition_bytes) for r in rows] == [(0, 0, 0), (0, 0, 0)]
+
+
+def test_the_fullest_ordinary_bucket_is_what_deepspeed_flattens_to_reduce():
+    """Gradients fill a bucket in the given order, and it is reduced when the next would
+    overflow it; one larger than the bucket is reduced alone and is no ordinary bucket's.
+    Measured on GPT-2 124M, ZeRO-2, 2 ranks, a 2^21 bucket (docs/levers.md's table): the
+    largest flat copy was 1,771,776 elements."""
+    from dpkit.engines.deepspeed.layout import largest_bucket_fill
+
+    groups = [[60, 30, 150, 20], [5, 90]]
+    in_order = [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
+    # 60 + 30 = 90 | 150 alone (left out) | 20 + 5 = 25 | 90: buckets of 90, 25, 90
+    assert largest_bucket_fill(groups, 100, in_order) == 90
+    # Backward's order: 90 + 5 = 95 | 20 | 150 | 30 + 60
+    assert largest_bucket_fill(groups, 100, in_order[::-1]) == 95
+    assert largest_bucket_fill(groups, 1000, in_order) == 355  # everything, one bucket
+    assert largest_bucket_fill([[150]], 100, [(0, 0)]) == 0  # nothing ordinary
+    # Two GPT-2 blocks in the model's order (ln_1 w, b; c_attn w, b; attn c_proj w, b;
+    # ln_2 w, b; c_fc w, b; mlp c_proj w, b), backward reversing it. The MLP's matrices
+    # (768 x 3072 = 2,359,296) overflow 2^21 alone; the fullest bucket is the second
+    # block's c_attn weight, its ln_1 weight and bias and the first block's mlp c_proj
+    # bias: 768 x 2304 + 3 x 768 = 1,771,776.
+    block = [768, 768, 768 * 2304, 2304, 768 * 768, 768, 768, 768, 768 * 3072, 3072,
+             3072 * 768, 768]  # fmt: skip
+    two_blocks = [block + block]
+    arrival = [(0, i) for i in range(2 * len(block))][::-1]
+    assert largest_bucket_fill(two_blocks, 2**21, arrival) == 768 * 2304 + 3 * 768 == 1_771_776

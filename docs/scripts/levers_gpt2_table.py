@@ -29,6 +29,9 @@ def main(out: Path) -> None:
         for lora in ("", "-lora"):
             for ckpt in ("", "-ckpt"):
                 run = out / f"{strategy}{lora}{ckpt}"
+                if not (run / "memory_report.json").is_file():  # failed or not run yet
+                    print(f"| {NAMES[strategy]} | {lora or 'all'} | {ckpt or 'no'} | not run |")
+                    continue
                 plan = json.loads((run.parent / f"{run.name}.plan.json").read_text())
                 report = json.loads((run / "memory_report.json").read_text())
                 steps = [json.loads(line) for line in (run / "train_log.jsonl").open()]

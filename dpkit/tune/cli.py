@@ -2,6 +2,7 @@
 
     dpkit tune                                        # train_lm.py, 2 CPU processes
     dpkit tune --memory-budget 200MiB --output-dir tune_results/small
+    dpkit tune --gradient-checkpointing both -- --size gpt2 --seq-len 512
     dpkit tune --recipe finetune.py -- --max-eval-samples 64 --max-seq-length 64
     dpkit tune --recipe my_train.py --nproc 8 --global-batch-size 256 -- --model my/model
 
@@ -18,7 +19,7 @@ import shlex
 import sys
 
 from dpkit.errors import UsageError
-from dpkit.tune.config import DEFAULT_RECIPE, TUNABLE, TuneConfig
+from dpkit.tune.config import CHECKPOINTING_MODES, DEFAULT_RECIPE, TUNABLE, TuneConfig
 
 
 def _sizes(text: str, flag: str) -> tuple[int, ...]:
@@ -95,6 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: dpkit's size / 4 and x 4; FSDP2 has no buckets)",
     )
     parser.add_argument(
+        "--gradient-checkpointing",
+        choices=CHECKPOINTING_MODES,
+        default="auto",
+        help="activation checkpointing as a dimension: auto tries a candidate checkpointed "
+        "only where it does not fit plain (over the budget or out of memory); both, on, off "
+        "(default: auto)",
+    )
+    parser.add_argument(
         "--no-zero-variants",
         action="store_true",
         help="no second round (the best DeepSpeed ZeRO candidates with other bucket sizes "
@@ -158,6 +167,7 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
         zero_bucket_sizes=None
         if args.zero_bucket_sizes is None
         else _sizes(args.zero_bucket_sizes, "--zero-bucket-sizes"),
+        gradient_checkpointing=args.gradient_checkpointing,
         zero_variants=not args.no_zero_variants,
         memory_budget=None
         if args.memory_budget is None

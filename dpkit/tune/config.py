@@ -35,6 +35,9 @@ OPTIONAL_FLAGS = {
     "memory-probe-steps": ["1"],  # walk the tensors in step 1 (a warm-up step) only
 }
 HELP_TIMEOUT_S = 300
+CHECKPOINTING_MODES = ("auto", "off", "on", "both")
+"""How the tune searches activation checkpointing (:data:`TuneConfig.gradient_checkpointing`)."""
+CHECKPOINTING_FLAG = "gradient-checkpointing"
 TUNABLE = tuple(s.name for s in RUNNABLE)
 """The strategies a tune may try: every one dpkit's recipes run (DDP, ZeRO-1, ZeRO-2,
 FSDP2 shard-grad-op, FSDP2 full-shard), least sharding first."""
@@ -76,6 +79,12 @@ class TuneConfig:
     """ZeRO reduce/all-gather bucket sizes (elements) tried on the best ZeRO candidates
     (default: dpkit's size, a quarter of it and four times it); needs a DeepSpeed strategy
     among ``strategies``."""
+    gradient_checkpointing: str = "auto"
+    """Activation checkpointing as a dimension: ``auto`` tries a candidate checkpointed
+    only where it does not fit plain (predicted or measured over the budget, or out of
+    memory: checkpointed, the same candidate is only slower); ``both`` every candidate
+    both ways; ``on`` checkpointed only; ``off`` never. The recipe needs a
+    ``--gradient-checkpointing`` flag for any but ``off``."""
     zero_variants: bool = True
     """A second round: the best DeepSpeed ZeRO candidates with other bucket sizes and
     ``contiguous_gradients`` flipped (``overlap_comm`` too on CUDA). FSDP2 has no such
@@ -159,8 +168,18 @@ class TuneConfig:
                 raise UsageError(f"{name}={value}: must be > 0 seconds")
         if not 0 <= self.tie_tolerance < 1:
             raise UsageError(f"tie_tolerance={self.tie_tolerance}: must be in [0, 1)")
+        if self.gradient_checkpointing not in CHECKPOINTING_MODES:
+            raise UsageError(
+                f"gradient_checkpointing={self.gradient_checkpointing!r}: one of "
+                f"{', '.join(CHECKPOINTING_MODES)}"
+            )
         for arg in self.recipe_args:
             name = _flag_name(arg.split("=", 1)[0]) if arg.startswith("--") else None
+            if name == CHECKPOINTING_FLAG:
+                raise UsageError(
+                    f"recipe argument {arg!r}: dpkit tune decides checkpointing per trial; "
+                    "use dpkit tune --gradient-checkpointing on (or both, auto, off)"
+                )
             if name in OWNED_FLAGS:
                 raise UsageError(
                     f"recipe argument {arg!r}: dpkit tune sets --{name} for every trial "
@@ -204,6 +223,19 @@ class TuneSettings:
     output_dir: Path
     plan_model: dict[str, Any] | None = field(default=None)
     """The recipe's run-config sections the plan reads (None: not a recipe of dpkit's)."""
+
+    @property
+    def checkpointing_note(self) -> str:
+        """How checkpointing is searched, for the tune's first line."""
+        if CHECKPOINTING_FLAG not in self.recipe.flags:
+            name = self.recipe.path.name
+            return f"checkpointing not searched ({name} has no --{CHECKPOINTING_FLAG})"
+        return {
+            "auto": "checkpointed where plain does not fit",
+            "off": "no checkpointing",
+            "on": "every candidate checkpointed",
+            "both": "every candidate with and without checkpointing",
+        }[self.config.gradient_checkpointing]
 
     @property
     def total_steps(self) -> int:
@@ -314,6 +346,11 @@ def tune_settings(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> Tu
     if gpu_count and nproc > gpu_count:
         raise UsageError(f"--nproc={nproc}: this machine has {gpu_count} GPUs")
     recipe = read_recipe(path, env)
+    if config.gradient_checkpointing in ("on", "both") and CHECKPOINTING_FLAG not in recipe.flags:
+        raise UsageError(
+            f"--gradient-checkpointing={config.gradient_checkpointing}: {path.name}'s --help "
+            f"lists no --{CHECKPOINTING_FLAG}"
+        )
     micro = config.micro_batch_size or recipe.default_micro_batch
     if micro is None:
         raise UsageError(
@@ -371,6 +408,11 @@ def tune_settings(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> Tu
             **config.__dict__,
             "micro_batch_size": micro,
             "gradient_accumulation_steps": accumulation,
+            # A recipe without the flag cannot be checkpointed: auto searches nothing
+            # then, and the tune's first line says so (TuneSettings.checkpointing_note).
+            "gradient_checkpointing": config.gradient_checkpointing
+            if CHECKPOINTING_FLAG in recipe.flags
+            else "off",
         }
     )
     return TuneSettings(

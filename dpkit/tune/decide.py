@@ -11,8 +11,9 @@ sharding, fewer collectives and a simpler run at the same speed), in ``dpkit pla
 order: DDP, ZeRO-1, ZeRO-2, FSDP2 shard-grad-op, FSDP2 full-shard
 (:attr:`~dpkit.tune.space.Candidate.sharding_rank`; ZeRO-2 before shard-grad-op, though
 both shard gradients and optimizer state: ZeRO-2 keeps the parameters whole between
-steps). Within one strategy the faster wins, then the name, so equal times still give
-one answer whatever order the trials ran in.
+steps). Within one strategy a plain candidate goes before a checkpointed one (no
+recomputation), then the faster, then the name, so equal times still give one answer
+whatever order the trials ran in.
 """
 
 from __future__ import annotations
@@ -76,9 +77,11 @@ def _reference(trial: Trial, ddp: dict[int, Trial]) -> Trial | None:
 def verdicts(trials: list[Trial], budget: float | None, precision: str) -> dict[str, Verdict]:
     """Each measured trial checked against the budget and against DDP's losses."""
     rtol = loss_rtol(precision)
+    # Plain DDP is the reference; a checkpointed DDP trial only where no plain one ran at
+    # its micro-batch (checkpointing recomputes the same forward: the losses are DDP's).
     ddp = {
         t.candidate.micro_batch_size: t
-        for t in trials
+        for t in sorted(trials, key=lambda t: not t.candidate.gradient_checkpointing)
         if t.status == OK and get_strategy(t.candidate.strategy) is REFERENCE
     }
     found: dict[str, Verdict] = {}
@@ -131,7 +134,15 @@ def decide(
         # A tie never picks something slower than what the user runs today.
         ceiling = min(ceiling, max(baseline.step_time, fastest.step_time))
     tie = [t for t in eligible if t.step_time <= ceiling]
-    winner = min(tie, key=lambda t: (t.candidate.sharding_rank, t.step_time, t.name))
+    winner = min(
+        tie,
+        key=lambda t: (
+            t.candidate.sharding_rank,
+            t.candidate.gradient_checkpointing,
+            t.step_time,
+            t.name,
+        ),
+    )
     speedup = (
         baseline.step_time / winner.step_time
         if baseline is not None and found[baseline.name].eligible

@@ -143,6 +143,16 @@ class _Tuner:
             best = min(eligible, key=lambda t: t.step_time)
             self.bar.set_postfix_str(f"best {best.name} {best.step_time:.3f} s/step")
 
+    def did_not_fit(self) -> list[space.Candidate]:
+        """The measured candidates that do not fit: over the budget, or out of memory."""
+        found = verdicts(self.trials, self.settings.memory_budget, self.settings.precision)
+        return [
+            t.candidate
+            for t in self.trials
+            if found[t.name].fits is False
+            or (t.status == FAILED and "out of memory" in t.reason.lower())
+        ]
+
     def second_round(self) -> list[space.Candidate]:
         """Bucket and flag variants of each DeepSpeed ZeRO strategy's best first-round
         trial (DDP and FSDP2 have no ZeRO settings to vary)."""
@@ -200,6 +210,9 @@ def run_tune(config: TuneConfig, command: str | None = None) -> dict[str, Any]:
     with _stop_on_signals() as stop:
         tuner = _Tuner(settings, env, stop)
         first = tuner.predict(space.first_round(settings))
+        names = {t.name for t in first}
+        pruned = [t.candidate for t in first if t.status == PRUNED]
+        first += tuner.predict(space.checkpointed_twins(pruned, names, settings))
         _check_something_fits(tuner, first)
         report.clear_outputs(settings.output_dir)
         print(
@@ -214,6 +227,11 @@ def run_tune(config: TuneConfig, command: str | None = None) -> dict[str, Any]:
         tuner.bar = tqdm(total=len(first), desc="tune", unit="trial", file=sys.stderr)
         try:
             tuner.measure(first)
+            # auto: the checkpointed twins of what was measured not to fit.
+            later = tuner.predict(space.checkpointed_twins(tuner.did_not_fit(), names, settings))
+            tuner.bar.total += len(later)
+            tuner.bar.refresh()
+            tuner.measure(later)
             second = tuner.predict(tuner.second_round())
             tuner.bar.total += len(second)
             tuner.bar.refresh()

@@ -10,6 +10,14 @@ Two rounds, so the default tune stays within minutes:
    FSDP2 has no such settings (``fully_shard`` all-gathers and reduce-scatters one unit,
    a transformer layer, at a time): it has no second round.
 
+Activation checkpointing is a dimension of the first round (``TuneConfig.gradient_
+checkpointing``). By default (``auto``) a candidate is tried checkpointed only where it
+does not fit plain (predicted over the budget, measured over it, or out of memory): at
+the same strategy and micro-batch the checkpointed twin computes the same step with one
+more forward, so it is never the faster of the two, and only a budget can make it the
+choice (:func:`checkpointed_twins`). ``both`` tries every candidate both ways, ``on``
+checkpointed only, ``off`` never.
+
 Each candidate's memory is predicted by ``dpkit plan``'s arithmetic
 (:func:`dpkit.plan.estimate.estimate`) with the candidate's own settings (FSDP2: each
 parameter's shard padded on dim 0, and the whole parameters it gathers), and a
@@ -18,7 +26,7 @@ candidate predicted over the budget is not launched.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from dpkit.engines.deepspeed.settings import DEEPSPEED_DEFAULT_BUCKET, ZERO_BUCKET_ALIGNMENT
@@ -42,6 +50,8 @@ class Candidate:
     gradient_accumulation_steps: int
     zero: tuple[tuple[str, Any], ...] = ()
     round: int = 1
+    gradient_checkpointing: bool = False
+    """The recipe's ``--gradient-checkpointing``: activations recomputed in backward."""
 
     def __post_init__(self) -> None:
         # Only DeepSpeed reads zero_optimization keys; on another engine they would be
@@ -51,8 +61,11 @@ class Candidate:
 
     @property
     def name(self) -> str:
-        """A short unique name, also the trial's folder: ``zero2-mb2x2-bucket4M-nocontig``."""
+        """A short unique name, also the trial's folder: ``zero2-mb2x2-bucket4M-nocontig``,
+        ``ddp-mb8x1-ckpt`` (checkpointed)."""
         parts = [f"{self.strategy}-mb{self.micro_batch_size}x{self.gradient_accumulation_steps}"]
+        if self.gradient_checkpointing:
+            parts.append("ckpt")
         for key, value in self.zero:
             if key == "reduce_bucket_size":
                 parts.append(f"bucket{_short(value)}")
@@ -96,8 +109,13 @@ class Candidate:
             "micro_batch_size": self.micro_batch_size,
             "gradient_accumulation_steps": self.gradient_accumulation_steps,
             "zero_overrides": self.zero_overrides,
+            "gradient_checkpointing": self.gradient_checkpointing,
             "round": self.round,
         }
+
+    def checkpointed(self) -> Candidate:
+        """The same candidate with activation checkpointing on."""
+        return replace(self, gradient_checkpointing=True)
 
 
 def _short(elements: int) -> str:
@@ -109,29 +127,58 @@ def _short(elements: int) -> str:
 
 def baseline(settings: TuneSettings) -> Candidate:
     """The current configuration: its strategy, micro-batch and accumulation, dpkit's
-    ZeRO settings."""
+    ZeRO settings; checkpointed when every candidate is (``gradient_checkpointing="on"``)."""
     config = settings.config
     return Candidate(
         config.baseline_strategy,
         settings.baseline_micro_batch,
         settings.per_rank_batch // settings.baseline_micro_batch,
+        gradient_checkpointing=config.gradient_checkpointing == "on",
     )
 
 
 def first_round(settings: TuneSettings) -> list[Candidate]:
     """Every strategy at every micro-batch; the baseline first, then least sharding first
     (:attr:`Candidate.sharding_rank`: DDP, the reference of the losses, leads), largest
-    micro-batches first."""
+    micro-batches first. Checkpointed as ``gradient_checkpointing`` says: ``on`` every
+    candidate, ``both`` each also right after its plain twin; ``auto`` and ``off`` none
+    here (``auto`` adds :func:`checkpointed_twins` once the budget is known to bite)."""
+    mode = settings.config.gradient_checkpointing
     ordered = sorted(
         (
-            Candidate(name, micro, settings.per_rank_batch // micro)
+            Candidate(
+                name,
+                micro,
+                settings.per_rank_batch // micro,
+                gradient_checkpointing=mode == "on",
+            )
             for name in settings.config.strategies
             for micro in settings.micro_batch_sizes
         ),
         key=lambda c: (c.sharding_rank, -c.micro_batch_size),
     )
     first = baseline(settings)
-    return [first, *(c for c in ordered if c != first)]
+    candidates = [first, *(c for c in ordered if c != first)]
+    if mode == "both":
+        return [twin for c in candidates for twin in (c, c.checkpointed())]
+    return candidates
+
+
+def checkpointed_twins(
+    candidates: list[Candidate], known: set[str], settings: TuneSettings
+) -> list[Candidate]:
+    """Under ``gradient_checkpointing="auto"``: the checkpointed twin of each plain
+    candidate that does not fit (the caller says which), unless already known by name.
+    Nothing for the other modes: ``on`` and ``both`` have them from the first round."""
+    if settings.config.gradient_checkpointing != "auto":
+        return []
+    twins = []
+    for candidate in candidates:
+        twin = candidate.checkpointed()
+        if not candidate.gradient_checkpointing and twin.name not in known:
+            twins.append(twin)
+            known.add(twin.name)
+    return twins
 
 
 def _aligned(elements: float) -> int:
@@ -157,12 +204,7 @@ def second_round(
     if settings.device == "cuda" and best.sharding == 2:
         overlap = bool(resolved_zero.get("overlap_comm", False))
         variants.append((("overlap_comm", not overlap),))
-    return [
-        Candidate(
-            best.strategy, best.micro_batch_size, best.gradient_accumulation_steps, zero, round=2
-        )
-        for zero in variants
-    ]
+    return [replace(best, zero=zero, round=2) for zero in variants]
 
 
 class MemoryPlan:
@@ -180,9 +222,17 @@ class MemoryPlan:
         )
         self.precision = canonical_precision(settings.precision)
         # The trials' kernels: a CPU saves other tensors for backward than a GPU does.
-        self.activations = activation_profile(
-            self.spec, self.seq_len, self.precision, False, device=settings.device
-        )
+        self.activations = {
+            checkpointing: activation_profile(
+                self.spec, self.seq_len, self.precision, checkpointing, device=settings.device
+            )
+            for checkpointing in self._checkpointing_searched(settings)
+        }
+
+    @staticmethod
+    def _checkpointing_searched(settings: TuneSettings) -> tuple[bool, ...]:
+        mode = settings.config.gradient_checkpointing
+        return {"off": (False,), "on": (True,)}.get(mode, (False, True))
 
     def predict(self, candidate: Candidate) -> float:
         """Predicted bytes per rank of what a trial measures: on CUDA its peak (the plan's
@@ -215,8 +265,9 @@ class MemoryPlan:
         )
         plan_settings = buffer_settings(self.spec, nproc, on_cuda=on_cuda)
         plan_settings.update(candidate.zero_overrides)
+        activations = self.activations[candidate.gradient_checkpointing]
         return estimate(
-            inputs, candidate.strategy, candidate.micro_batch_size, self.activations, plan_settings
+            inputs, candidate.strategy, candidate.micro_batch_size, activations, plan_settings
         )
 
 

@@ -105,6 +105,7 @@ def recipe_command(settings: TuneSettings, candidate: Candidate) -> list[str]:
         *settings.config.recipe_args,
         "--micro-batch-size", str(candidate.micro_batch_size),
         "--gradient-accumulation-steps", str(candidate.gradient_accumulation_steps),
+        *(["--gradient-checkpointing"] if candidate.gradient_checkpointing else []),
     ]  # fmt: skip
 
 
@@ -138,16 +139,18 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
         int(info.get("world_size", 0)),
         int(info.get("micro_batch_size", 0)),
         int(info.get("gradient_accumulation_steps", 0)),
+        bool(info.get("gradient_checkpointing", False)),
     )
     asked = (
         candidate.strategy,
         settings.nproc,
         candidate.micro_batch_size,
         candidate.gradient_accumulation_steps,
+        candidate.gradient_checkpointing,
     )
     if ran != asked:
         raise ValueError(
-            "ran as strategy/processes/micro-batch/accumulation "
+            "ran as strategy/processes/micro-batch/accumulation/checkpointing "
             f"{'/'.join(map(str, ran))}, not {'/'.join(map(str, asked))}"
         )
     records = read_jsonl(run_dir / "train_log.jsonl")

@@ -128,6 +128,31 @@ def stage1_contiguous_reduction(
     return large_held + whole if bucket_touches else 0
 
 
+def largest_bucket_fill(
+    groups: Sequence[Sequence[int]],
+    reduce_bucket_size: int,
+    order: Sequence[tuple[int, int]],
+) -> int:
+    """Elements of the fullest ordinary reduce bucket: the transient flat copy DeepSpeed
+    makes of a bucket to reduce it (``allreduce_bucket``'s ``flatten``; with
+    ``contiguous_gradients`` of the bucket's slices, beside the bucket itself).
+
+    Gradients go into the bucket in ``order`` (ZeRO-2: as backward produces them; ZeRO-1:
+    group order, after backward); the bucket is reduced when the next one would overflow
+    it. A parameter larger than the bucket is reduced alone: its copy is no ordinary
+    bucket's (the memory report names it apart) and is left out here.
+    """
+    largest = bucket = 0
+    for group, index in order:
+        numel = groups[group][index]
+        if bucket + numel > reduce_bucket_size:
+            if bucket <= reduce_bucket_size:
+                largest = max(largest, bucket)
+            bucket = 0
+        bucket += numel
+    return max(largest, bucket) if bucket <= reduce_bucket_size else largest
+
+
 @dataclass(frozen=True)
 class GradientHighWater:
     """One rank's gradient bytes at the moments DeepSpeed holds the most."""

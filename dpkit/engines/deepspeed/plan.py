@@ -16,7 +16,11 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from dpkit.engines.deepspeed.layout import GradientHighWater, gradient_high_water
+from dpkit.engines.deepspeed.layout import (
+    GradientHighWater,
+    gradient_high_water,
+    largest_bucket_fill,
+)
 from dpkit.memory.analytic import OPTIMIZER_STATE_BYTES, ModelStateBytes, dtype_bytes
 
 
@@ -89,16 +93,38 @@ def paper_grad_bytes(stage: int, num_params: float, world_size: int, precision: 
 def buffer_bytes(
     stage: int, spec: Any, precision: str, settings: Mapping[str, Any]
 ) -> dict[str, float]:
-    """ZeRO-1/2 (and offload): the reduce bucket of ``reduce_bucket_size`` elements in
-    the module dtype, two with ``overlap_comm``. The post-step all-gather writes into the
-    parameters in place (all_gather_into_tensor). ZeRO-3: one reduce bucket, the largest
-    layer gathered whole with its 16-bit gradient (DeepSpeed's ``largest_layer_memory``),
-    the prefetch bucket, and the small tensors every rank keeps whole."""
+    """ZeRO-1/2 (and offload): with ``contiguous_gradients`` the reduce bucket of
+    ``reduce_bucket_size`` elements in the module dtype (two with ``overlap_comm``),
+    and, either way, the transient flat copy of the fullest bucket DeepSpeed makes to
+    reduce it (:func:`~dpkit.engines.deepspeed.layout.largest_bucket_fill`, from the
+    model's parameter layout; a bare ``--params`` count has none, and its bucket is
+    counted once instead). The post-step all-gather writes into the parameters in place
+    (all_gather_into_tensor). ZeRO-3: one reduce bucket, the largest layer gathered
+    whole with its 16-bit gradient (DeepSpeed's ``largest_layer_memory``), the prefetch
+    bucket, and the small tensors every rank keeps whole."""
     module_bytes = dtype_bytes(precision)
+    bucket = settings["reduce_bucket_size"]
     # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
     shards_params = stage >= 3
     reduce_buckets = 2 if settings["overlap_comm"] and not shards_params else 1
-    parts = {"reduce_bucket": reduce_buckets * settings["reduce_bucket_size"] * module_bytes}
+    if shards_params or not spec.param_groups:
+        parts = {"reduce_bucket": reduce_buckets * bucket * module_bytes}
+    else:
+        groups = spec.param_groups
+        # ZeRO-2 reduces as backward produces gradients (the model's order reversed);
+        # ZeRO-1 after backward, in group order.
+        if stage == 2:
+            order = (
+                spec.param_order[::-1]
+                or [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))][::-1]
+            )
+        else:
+            order = [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))]
+        contiguous = settings.get("contiguous_gradients", True)
+        parts = {
+            "reduce_bucket": (reduce_buckets * bucket * module_bytes) if contiguous else 0.0,
+            "reduce_flat_copy": module_bytes * largest_bucket_fill(groups, bucket, order),
+        }
     if shards_params:
         parts["gathered_layer"] = 2 * module_bytes * spec.largest_layer_params
         parts["prefetch_bucket"] = module_bytes * settings["stage3_prefetch_bucket_size"]
