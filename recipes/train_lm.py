@@ -126,7 +126,7 @@ def main() -> None:
     logger.info(
         "%s (%.1fM params) | %s | %d steps of %d tokens per rank",
         workload.model_config or workload.size,
-        run.info.num_params / 1e6,
+        (run.info.num_params + run.info.frozen_params) / 1e6,  # LoRA's frozen weights too
         "synthetic tokens" if workload.synthetic else "Shakespeare bytes",
         workload.max_steps,
         tokens_per_step,

@@ -326,6 +326,10 @@ def test_dpkit_plan_against_fsdp2_runs(reference, full_shard_resumed, mode):
     psi = json.loads((run.output_dir / "memory_report.json").read_text())["num_params"]
     expected = {"params": 2 * psi, "grads": 2 * psi, "optimizer": 4 * psi, "master": 0}
     assert {c: check.predicted[c] for c in expected} == expected
+    # Its buffers (whole parameters and gradients of the unit computed) are planned but
+    # live between the report's probe points: said so, with no error figure.
+    assert set(check.not_checked) == {"buffers"} and check.error_pct["buffers"] is None
+    assert check.predicted["buffers"] > 0
 
 
 @pytest.mark.multiprocess

@@ -98,6 +98,10 @@ def budget_run(tune_run, tmp_path_factory) -> tuple[harness.Launch, Path, float]
     flags = ["--strategies", ",".join(STRATEGIES), "--micro-batch-sizes", "1,2"]
     flags += ["--micro-batch-size", "2", "--baseline-strategy", FSDP2]
     flags += ["--memory-budget", f"{budget / MIB:.3f}MiB"]
+    # Checkpointing off: under auto the candidates over the budget would get checkpointed
+    # twins, launched (tests/test_tune_decide.py checks which, without launching); this
+    # tune is about reuse and the budget, and launches nothing.
+    flags += ["--gradient-checkpointing", "off"]
     return harness.run(_tune_cmd(out, *flags, tune_args=STEPS), out).check(), out, budget
 
 

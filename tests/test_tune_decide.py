@@ -1029,3 +1029,33 @@ def test_the_plan_traces_only_the_activations_the_search_needs():
     for mode, kinds in expected.items():
         settings = replace(_lm_settings("tiny"), config=TuneConfig(gradient_checkpointing=mode))
         assert set(space.MemoryPlan(settings).activations) == kinds, mode
+
+
+def test_auto_follows_each_pruned_candidate_with_its_checkpointed_twin_predicted():
+    """A budget just under DDP's plain prediction at micro-batch 4 (more than the plan's
+    10% under it): DDP is pruned, its checkpointed twin, predicted with fewer activations,
+    is not; after the round, a candidate measured over the budget gets its twin once."""
+    from dataclasses import replace
+
+    from dpkit.tune.run import _Stop, _Tuner
+
+    settings = _with_flag(_lm_settings("small"))
+    plain = space.MemoryPlan(settings).predict(space.Candidate("ddp", 4, 1))
+    settings = replace(settings, memory_budget=plain / 1.1 - 1)
+    tuner = _Tuner(settings, {}, _Stop())
+    first = tuner.first_round()
+    names = [t.name for t in first]
+    assert len(names) == len(set(names)) == 15 + 1  # every strategy x 3 micro-batches + 1 twin
+    ddp, twin = first[0], first[-1]
+    assert (ddp.name, ddp.status) == ("ddp-mb4x1", "pruned")
+    assert twin.name == "ddp-mb4x1-ckpt" and twin.status == "not run"  # to be measured
+    assert twin.predicted_bytes < settings.memory_budget * 1.1 < ddp.predicted_bytes
+    assert all(t.status == "not run" for t in first[1:])
+    # Measured: zero1 at micro-batch 4 over the budget, the rest within it.
+    tuner.trials = [_trial("zero1", 4, 1.0, memory=2 * plain), _trial("zero2", 4, 1.0, memory=1.0)]
+    later = tuner.twins_of_what_did_not_fit()
+    assert [t.name for t in later] == ["zero1-mb4x1-ckpt"] and later[0].predicted_bytes > 0
+    assert tuner.twins_of_what_did_not_fit() == []  # once
+    # off: no twin, whatever the budget.
+    off = replace(settings, config=TuneConfig(gradient_checkpointing="off"))
+    assert [t.name for t in _Tuner(off, {}, _Stop()).first_round()][-1] != "ddp-mb4x1-ckpt"

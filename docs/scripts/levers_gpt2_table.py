@@ -16,6 +16,8 @@ NAMES = {"ddp": "DDP", "zero2": "ZeRO-2", "fsdp2_full_shard": "FSDP2 full-shard"
 
 def cell(plan: dict, key: str) -> str:
     predicted, measured = plan["predicted_bytes"][key], plan["measured_bytes"][key]
+    if key in plan.get("not_checked", {}):  # FSDP2's buffers: planned, not measured on CPU
+        return f"{predicted / MIB:,.0f} / -"
     return f"{predicted / MIB:,.0f} / {measured / MIB:,.0f}"
 
 

@@ -2,7 +2,7 @@
 # The table of docs/levers.md, "Full fine-tune and LoRA, with and without checkpointing":
 # GPT-2 124M (random init, recipes/train_lm.py --size gpt2), 2 processes, micro-batch 8 x 512,
 # fp32, 2 steps each, {full, LoRA r=8} x {plain, checkpointed} x {DDP, ZeRO-2, FSDP2
-# full-shard}; then `dpkit plan --against` each run. Needs ~8 GB of RAM per process on CPU.
+# full-shard}; then `dpkit plan --against` each run. Needs ~9 GB of RAM per process on CPU.
 #   bash docs/scripts/levers_gpt2_table.sh OUT_DIR
 set -u
 out=${1:?usage: levers_gpt2_table.sh OUT_DIR}

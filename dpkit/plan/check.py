@@ -63,6 +63,9 @@ class PlanCheck:
     """The batch the activations were planned for, and why that one."""
     not_predicted: dict[str, str] = field(default_factory=dict)
     """Rows the plan gives no number for, with the reason (the peak of a CPU run)."""
+    not_checked: dict[str, str] = field(default_factory=dict)
+    """Rows the plan predicts but the run cannot measure, with the reason (FSDP2's
+    buffers): shown predicted, with no measured figure and no error."""
     logits_peak: float = 0.0
     """The loss's transient at the start of backward that the plan adds to activations
     and the report does not measure (not a saved tensor), shown beside the check."""
@@ -80,7 +83,9 @@ class PlanCheck:
     def error_pct(self) -> dict[str, float | None]:
         """(predicted - measured) / measured, in percent; None where nothing was measured."""
         return {
-            key: None if not measured else 100.0 * (self.predicted[key] - measured) / measured
+            key: None
+            if not measured or key in self.not_checked
+            else 100.0 * (self.predicted[key] - measured) / measured
             for key, measured in self.measured.items()
         }
 
@@ -283,6 +288,15 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         measured["activations"] = max(activations)
     else:
         not_predicted["activations"] = "the run did not count them (count_activations off)"
+    not_checked: dict[str, str] = {}
+    unprobed = strategy.engine.unprobed_buffer_parts(strategy)
+    if unprobed:
+        # FSDP2: the whole parameters and gradients of the unit being computed live between
+        # the report's probe points (end of forward, optimizer step); the timeline shows
+        # part of them, the report's buffers none.
+        not_checked["buffers"] = (
+            f"not measured: {', '.join(unprobed)} live between the report's probe points"
+        )
     peak_predicted, peak_measured, why_not = _peak(report, row)
     if peak_predicted is None:
         not_predicted["peak"] = why_not
@@ -300,6 +314,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         grads_where=row.grads_where,
         planned_batch=planned_batch,
         not_predicted=not_predicted,
+        not_checked=not_checked,
         logits_peak=row.activation_parts.get("logits_peak", 0.0),
         gradient_checkpointing=checkpointing,
         recomputed_layer=row.activation_parts.get("one_layer", 0.0),
@@ -325,6 +340,12 @@ def format_check(check: PlanCheck) -> str:
             continue
         if key not in check.predicted:
             continue
+        if key in check.not_checked:
+            lines.append(
+                f"{key:<14}{check.predicted[key] / MIB:>11.1f}{'-':>11}{'-':>9}  "
+                + check.not_checked[key]
+            )
+            continue
         lines.append(
             f"{key:<14}{check.predicted[key] / MIB:>11.1f}{check.measured[key] / MIB:>11.1f}"
             + f"{_error_text(errors[key]):>9}"
@@ -346,15 +367,6 @@ def format_check(check: PlanCheck) -> str:
             "gradient checkpointing: activations are each layer's inputs (what the forward "
             f"keeps); the layer recomputed in backward adds {check.recomputed_layer / MIB:.1f} "
             "MiB planned at a time (transient, not measured)"
-        )
-    buffers_error = errors.get("buffers")
-    if check.strategy.startswith("fsdp2") and buffers_error is not None and abs(buffers_error) > 10:
-        # Known gap (docs/limits.md): the plan's FSDP2 buffers are the whole parameters and
-        # gradients of the units being computed, which live between the report's probe
-        # points (end of forward, optimizer step); the timeline shows part of them.
-        lines.append(
-            "buffers: FSDP2's planned transients (a unit's whole parameters and gradients in "
-            "backward) live between the report's probe points: not checked by this run"
         )
     if check.grads_where:
         lines += [
@@ -390,6 +402,7 @@ def check_dict(check: PlanCheck) -> dict[str, Any]:
         "grads_where": check.grads_where,
         "planned_batch": check.planned_batch,
         "not_predicted": dict(check.not_predicted),
+        "not_checked": dict(check.not_checked),
         "logits_peak_bytes": round(check.logits_peak),
         "gradient_checkpointing": check.gradient_checkpointing,
         "recomputed_layer_bytes": round(check.recomputed_layer),

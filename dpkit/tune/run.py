@@ -74,6 +74,8 @@ class _Tuner:
         self.stop = stop
         self.plan, self.plan_note = space.memory_plan(settings)
         self.trials: list[Trial] = []
+        self.known: set[str] = set()
+        """The names of the candidates considered so far (a twin is added once)."""
         self.started = time.perf_counter()
         self.stopped: str | None = None
         self.bar: Any = None
@@ -143,6 +145,21 @@ class _Tuner:
             best = min(eligible, key=lambda t: t.step_time)
             self.bar.set_postfix_str(f"best {best.name} {best.step_time:.3f} s/step")
 
+    def first_round(self) -> list[Trial]:
+        """The first round, predicted; under ``gradient_checkpointing="auto"`` followed by
+        the checkpointed twin of every candidate the plan pruned (itself predicted, and
+        pruned too where it does not fit either)."""
+        first = self.predict(space.first_round(self.settings))
+        self.known = {t.name for t in first}
+        pruned = [t.candidate for t in first if t.status == PRUNED]
+        return first + self.predict(space.checkpointed_twins(pruned, self.known, self.settings))
+
+    def twins_of_what_did_not_fit(self) -> list[Trial]:
+        """After the first round, under ``auto``: the checkpointed twins, predicted, of the
+        candidates measured over the budget or out of memory, not tried yet."""
+        twins = space.checkpointed_twins(self.did_not_fit(), self.known, self.settings)
+        return self.predict(twins)
+
     def did_not_fit(self) -> list[space.Candidate]:
         """The measured candidates that do not fit: over the budget, or out of memory."""
         found = verdicts(self.trials, self.settings.memory_budget, self.settings.precision)
@@ -209,10 +226,7 @@ def run_tune(config: TuneConfig, command: str | None = None) -> dict[str, Any]:
     command = command or "dpkit.run_tune(" + shlex.join(settings.config.recipe_args) + ")"
     with _stop_on_signals() as stop:
         tuner = _Tuner(settings, env, stop)
-        first = tuner.predict(space.first_round(settings))
-        names = {t.name for t in first}
-        pruned = [t.candidate for t in first if t.status == PRUNED]
-        first += tuner.predict(space.checkpointed_twins(pruned, names, settings))
+        first = tuner.first_round()
         _check_something_fits(tuner, first)
         report.clear_outputs(settings.output_dir)
         print(
@@ -227,8 +241,7 @@ def run_tune(config: TuneConfig, command: str | None = None) -> dict[str, Any]:
         tuner.bar = tqdm(total=len(first), desc="tune", unit="trial", file=sys.stderr)
         try:
             tuner.measure(first)
-            # auto: the checkpointed twins of what was measured not to fit.
-            later = tuner.predict(space.checkpointed_twins(tuner.did_not_fit(), names, settings))
+            later = tuner.twins_of_what_did_not_fit()
             tuner.bar.total += len(later)
             tuner.bar.refresh()
             tuner.measure(later)
