@@ -303,6 +303,10 @@ def test_zero_buffers_follow_the_parameter_layout():
     assert plan.buffer_bytes("zero2", spec, 2, "fp32", off) == {
         "reduce_bucket": 0, "reduce_flat_copy": 4 * 95
     }  # fmt: skip
+    # Without the model's own order (a spec of groups only), backward reverses the groups.
+    unordered = plan_inputs.ModelSpec(name="x", source="count", num_params=355,
+                                      param_groups=spec.param_groups)  # fmt: skip
+    assert plan.buffer_bytes("zero2", unordered, 2, "fp32", settings)["reduce_flat_copy"] == 4 * 95
     overlap = settings | {"overlap_comm": True}  # two buckets, one copy at a time
     assert plan.buffer_bytes("zero2", spec, 2, "fp32", overlap) == {
         "reduce_bucket": 2 * 4 * 100, "reduce_flat_copy": 4 * 95

@@ -1059,3 +1059,20 @@ def test_auto_follows_each_pruned_candidate_with_its_checkpointed_twin_predicted
     # off: no twin, whatever the budget.
     off = replace(settings, config=TuneConfig(gradient_checkpointing="off"))
     assert [t.name for t in _Tuner(off, {}, _Stop()).first_round()][-1] != "ddp-mb4x1-ckpt"
+
+
+def test_the_plan_traces_with_the_trials_devices_kernels():
+    """With dropout a CPU's kernels save the dropout masks a GPU's fused attention does not
+    (dpkit.plan.activations): the tune plans a CPU trial as a CPU runs it."""
+    from dataclasses import replace
+
+    from dpkit.plan.activations import activation_profile
+
+    workload = {"LMWorkload": {"size": "tiny", "synthetic": True, "seq_len": 32, "dropout": 0.1}}
+    found = {}
+    for device in ("cpu", "cuda"):
+        plan = space.MemoryPlan(replace(_settings(), device=device, plan_model=workload))
+        expected = activation_profile(plan.spec, 32, "fp32", False, device=device)
+        assert plan.activations[False] == expected
+        found[device] = plan.estimate(space.Candidate("ddp", 4, 1)).activations
+    assert found["cpu"] > found["cuda"]  # measured 33.7 against 32.0 MB at micro-batch 4

@@ -395,6 +395,9 @@ def test_the_fullest_ordinary_bucket_is_what_deepspeed_flattens_to_reduce():
     assert largest_bucket_fill(groups, 100, in_order[::-1]) == 95
     assert largest_bucket_fill(groups, 1000, in_order) == 355  # everything, one bucket
     assert largest_bucket_fill([[150]], 100, [(0, 0)]) == 0  # nothing ordinary
+    # A bucket filled exactly to its size is reduced only when the next overflows it
+    # (DeepSpeed's test is `elements + numel > reduce_bucket_size`): 50 + 50 | 10.
+    assert largest_bucket_fill([[50, 50, 10]], 100, [(0, 0), (0, 1), (0, 2)]) == 100
     # Two GPT-2 blocks in the model's order (ln_1 w, b; c_attn w, b; attn c_proj w, b;
     # ln_2 w, b; c_fc w, b; mlp c_proj w, b), backward reversing it. The MLP's matrices
     # (768 x 3072 = 2,359,296) overflow 2^21 alone; the fullest bucket is the second

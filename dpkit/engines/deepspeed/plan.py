@@ -120,7 +120,7 @@ def buffer_bytes(
             )
         else:
             order = [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))]
-        contiguous = settings.get("contiguous_gradients", True)
+        contiguous = settings["contiguous_gradients"]
         parts = {
             "reduce_bucket": (reduce_buckets * bucket * module_bytes) if contiguous else 0.0,
             "reduce_flat_copy": module_bytes * largest_bucket_fill(groups, bucket, order),
