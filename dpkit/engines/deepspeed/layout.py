@@ -128,6 +128,12 @@ def stage1_contiguous_reduction(
     return large_held + whole if bucket_touches else 0
 
 
+def group_order(groups: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """(group, index) of every parameter in the optimizer's groups' order: ZeRO-1 reduces
+    in it after backward; reversed, backward's order where the model's is unknown."""
+    return [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))]
+
+
 def largest_bucket_fill(
     groups: Sequence[Sequence[int]],
     reduce_bucket_size: int,
@@ -244,7 +250,7 @@ def gradient_high_water(
         raise ValueError(f"stage must be 1 or 2, got {stage}")
     total = sum(sum(g) for g in groups)
     if arrival is None:
-        arrival = [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))][::-1]
+        arrival = group_order(groups)[::-1]
     largest = max((n for g in groups for n in g), default=0)
     rows = []
     for rank in range(world_size):

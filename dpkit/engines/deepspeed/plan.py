@@ -19,6 +19,7 @@ from typing import Any
 from dpkit.engines.deepspeed.layout import (
     GradientHighWater,
     gradient_high_water,
+    group_order,
     largest_bucket_fill,
 )
 from dpkit.memory.analytic import OPTIMIZER_STATE_BYTES, ModelStateBytes, dtype_bytes
@@ -113,13 +114,8 @@ def buffer_bytes(
         groups = spec.param_groups
         # ZeRO-2 reduces as backward produces gradients (the model's order reversed);
         # ZeRO-1 after backward, in group order.
-        if stage == 2:
-            order = (
-                spec.param_order[::-1]
-                or [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))][::-1]
-            )
-        else:
-            order = [(g, i) for g, numels in enumerate(groups) for i in range(len(numels))]
+        in_groups = group_order(groups)
+        order = (spec.param_order[::-1] or in_groups[::-1]) if stage == 2 else in_groups
         contiguous = settings["contiguous_gradients"]
         parts = {
             "reduce_bucket": (reduce_buckets * bucket * module_bytes) if contiguous else 0.0,
