@@ -46,6 +46,8 @@ _EXPORTS: dict[str, str] = {
     "ClassifierMetrics": "dpkit.train.evaluation",
     # checkpoints and reports
     "find_resume": "dpkit.checkpoints.resume",
+    "check_init_from": "dpkit.checkpoints.warm_start",
+    "init_from": "dpkit.checkpoints.warm_start",
     "MemoryReport": "dpkit.memory.report",
     # strategies
     "Strategy": "dpkit.strategy",

@@ -77,6 +77,9 @@ def main() -> None:
     )
     splits = data_cfg.truncate(splits)
     resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
+    warm_start = train_cfg.init_from and dpkit.check_init_from(
+        train_cfg.init_from, train_cfg.resume
+    )
     tokenizer = models.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
     load_from = resume.weights_from(model_path) if resume else model_path
     load_kwargs = {
@@ -97,6 +100,8 @@ def main() -> None:
     model = models.load_pretrained(  # from_pretrained; a new head said in one line
         AutoModelForSequenceClassification, load_from, **load_kwargs
     )
+    if warm_start:  # --init-from: a checkpoint's weights under a new head, a new run
+        logger.info("%s", dpkit.init_from(model, warm_start))
     model = run.apply_lora(model)  # --lora-r: adapters train, the pretrained weights frozen
     accelerator = run.accelerator  # the process group starts here
     set_seed(train_cfg.seed, device_specific=True)  # dropout differs across ranks, as in a batch
@@ -176,6 +181,7 @@ def main() -> None:
             if status.stop or (due(step, train_cfg.save_steps) and step < schedule.total_steps):
                 run.save_checkpoint(model, optimizer, lr_scheduler)
             if status.stop:
+                run.checkpoints.wait()  # with --async-save, written before the exit
                 logger.info(
                     run.checkpoints.stop_note(guard.signal_name, position, schedule.total_steps)
                 )

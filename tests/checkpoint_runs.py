@@ -53,14 +53,20 @@ def launch_ck(strategy: str, nproc: int, out: Path, *args: str) -> Launch:
 # models are read (the export tests).
 REFERENCES = {
     "ddp": ("ddp", 2, ["--micro-batch-size", "16", "--no-save-model"]),
-    "zero1": ("zero1", 2, ["--micro-batch-size", "16", "--no-save-model"]),
+    # The gathered layout (--checkpoint-format full), resumed by the same strategy.
+    "zero1": (
+        "zero1",
+        2,
+        ["--micro-batch-size", "16", "--no-save-model", "--checkpoint-format", "full"],
+    ),
     "zero2": ("zero2", 2, ["--micro-batch-size", "16"]),
-    # Accumulation, and rotation: a checkpoint every step, the last four kept.
+    # Accumulation, and rotation: a checkpoint every step, the last four kept, each
+    # written in the background while the next step trains (--async-save).
     "ddp_accumulation": (
         "ddp",
         2,
         ["--micro-batch-size", "8", "--gradient-accumulation-steps", "2"]
-        + ["--save-steps", "1", "--save-total-limit", "4", "--no-save-model"],
+        + ["--save-steps", "1", "--save-total-limit", "4", "--no-save-model", "--async-save"],
     ),
     "zero2_no_dropout": ("zero2", 2, ["--micro-batch-size", "16", *NO_DROPOUT, "--no-save-model"]),
     "fsdp2_shard_grad_op": ("fsdp2_shard_grad_op", 2, ["--micro-batch-size", "16"]),

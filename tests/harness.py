@@ -435,3 +435,28 @@ def assert_plan_matches_report(run_dir: Path, category_pct: float, total_pct: fl
     error = abs(predicted_total - measured_total) / measured_total
     assert error <= total_pct / 100, f"total: {100 * error:.2f}%\n{table}"
     return check
+
+
+def saved_tensors(checkpoint: Path) -> dict:
+    """Every tensor of a sharded dpkit checkpoint by its key (``model/<name>``,
+    ``optim/<name>/<moment>``, flattened to 1-D), read by torch's own converter of a
+    Distributed Checkpoint folder (``dcp_to_torch_save``), not by dpkit."""
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp_to_torch_save(str(checkpoint / "shards"), f"{tmp}/state.pt")
+        return torch.load(f"{tmp}/state.pt", weights_only=True)
+
+
+def saved_moments(checkpoint: Path) -> dict[str, dict]:
+    """name -> {moment: flat fp32 tensor} of a sharded checkpoint (:func:`saved_tensors`)."""
+    moments: dict[str, dict] = {}
+    for key, value in saved_tensors(checkpoint).items():
+        if key.startswith("optim/"):
+            name, moment = key.removeprefix("optim/").rsplit("/", 1)
+            moments.setdefault(name, {})[moment] = value
+    return moments

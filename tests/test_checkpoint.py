@@ -18,6 +18,7 @@ import torch
 
 from dpkit.checkpoints import folder, resume
 from dpkit.errors import UsageError
+from dpkit.train.output import read_jsonl
 from tests.checkpoint_runs import (
     CK_RUN,
     LOGS_ONLY,
@@ -36,6 +37,7 @@ from tests.harness import (
     python_cmd,
     run,
     run_captured,
+    saved_moments,
     score_model_folder,
 )
 
@@ -99,8 +101,10 @@ def test_resume_across_world_sizes_and_strategies(
 
 
 def _moments(checkpoint_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
-    saved = torch.load(checkpoint_dir / "optimizer.pt", map_location="cpu", weights_only=True)
-    return saved["moments"]
+    if (checkpoint_dir / "optimizer.pt").is_file():  # --checkpoint-format full
+        saved = torch.load(checkpoint_dir / "optimizer.pt", map_location="cpu", weights_only=True)
+        return {n: {k: v.flatten() for k, v in m.items()} for n, m in saved["moments"].items()}
+    return saved_moments(checkpoint_dir)
 
 
 def moment_mismatches(got: dict, expected: dict) -> list[str]:
@@ -119,9 +123,10 @@ def moment_mismatches(got: dict, expected: dict) -> list[str]:
         ("zero2_no_dropout", "zero2", 4, ["--micro-batch-size", "8"]),
         ("zero2", "ddp", 2, ["--micro-batch-size", "16"]),
         ("fsdp2_shard_grad_op", "zero2", 2, ["--micro-batch-size", "16"]),
-        ("ddp", "fsdp2_full_shard", 2, ["--micro-batch-size", "16"]),
+        # Read from shards, written gathered (--checkpoint-format full): both layouts agree.
+        ("ddp", "fsdp2_full_shard", 2, ["--micro-batch-size", "16", "--checkpoint-format", "full"]),
     ],
-    ids=["zero2-2to4", "zero2-to-ddp", "fsdp2-to-zero2", "ddp-to-fsdp2"],
+    ids=["zero2-2to4", "zero2-to-ddp", "fsdp2-to-zero2", "ddp-to-fsdp2-full"],
 )
 # FSDP2 <-> ZeRO/DDP continue from exactly the saved state here; that FSDP2 then trains
 # exactly as DDP does is tests/test_fsdp2.py's (same flags, bit-for-bit losses).
@@ -154,6 +159,31 @@ def test_resume_restores_the_saved_optimizer_state_exactly(
     assert len(moment_mismatches(zeroed, expected)) >= len(expected)
 
 
+def test_each_rank_writes_its_own_shard_of_the_state(reference):
+    """FSDP2 shard-grad-op on 2 processes (sharded, the default): one file per rank, each
+    about half of MiniLM's fp32 weights and two Adam moments, listed in the manifest;
+    nothing was gathered into one file. The zero1 reference wrote the gathered layout."""
+    checkpoint = step3(reference("fsdp2_shard_grad_op"))
+    files = sorted(p.name for p in (checkpoint / "shards").glob("*.distcp"))
+    assert files == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (checkpoint / "optimizer.pt").exists()
+    assert not (checkpoint / "model.safetensors").exists()
+    # MiniLM + a 2-label head: 22,713,216 + 384 x 2 + 2 parameters (the model card's
+    # 22.7M), each saved as fp32 weight, exp_avg and exp_avg_sq: 12 bytes.
+    params = 22_713_216 + 384 * 2 + 2
+    sizes = [(checkpoint / "shards" / f).stat().st_size for f in files]
+    for size in sizes:
+        assert size == pytest.approx(12 * params / 2, rel=0.02), sizes
+    manifest = json.loads((checkpoint / "manifest.json").read_text())["files"]
+    assert {f"shards/{f}" for f in files} <= set(manifest)
+    index = json.loads((checkpoint / "tensors.json").read_text())
+    assert index["step"] == 3
+    # Every weight trains (BERT's buffers are not persistent): each has its moments.
+    assert sorted(index["moments"]) == sorted(index["shapes"]) and len(index["shapes"]) == 105
+    full = reference("zero1").output_dir / "checkpoints" / "step-000003"
+    assert (full / "optimizer.pt").is_file() and not (full / "shards").exists()
+
+
 def test_checkpoints_are_complete_and_rotated(reference):
     ref = reference("ddp_accumulation")
     kept = folder.list_checkpoints(ref.output_dir)
@@ -166,6 +196,22 @@ def test_checkpoints_are_complete_and_rotated(reference):
     # The last step of an epoch resumes at the start of the next one.
     epoch_end = folder.verify_checkpoint(kept[1])
     assert (epoch_end.step, epoch_end.epoch, epoch_end.samples_in_epoch) == (4, 1, 0)
+    # Written in the background (--async-save), each completed before the next began; the
+    # log says what each cost: bytes per rank (DDP's replicated state split evenly), the
+    # seconds until complete, and training's stall, the copy to CPU memory, within them.
+    records = read_jsonl(ref.output_dir / "checkpoint_log.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+    params = 22_713_216 + 384 * 2 + 2  # MiniLM and a 2-label head
+    for record in records:
+        assert record["async"] is True and record["checkpoint_format"] == "sharded"
+        assert 0 < record["stall_seconds"] <= record["seconds"]
+        assert len(record["bytes_per_rank"]) == 2
+        for written in record["bytes_per_rank"]:
+            assert written == pytest.approx(12 * params / 2, rel=0.01)
+    log_lines = [
+        line for line in ref.output.splitlines() if "being written in the background" in line
+    ]
+    assert len(log_lines) == 6
 
 
 def test_exported_model_loads_without_deepspeed_and_scores_the_same(reference):
@@ -187,12 +233,12 @@ def _copy_run(ref, dest: Path) -> Path:
 def test_truncated_checkpoint_is_refused_before_anything_starts(reference, tmp_path):
     ref = reference("zero2")
     broken = shutil.copytree(step3(ref), tmp_path / "step-000003")
-    optimizer = broken / "optimizer.pt"
-    size = optimizer.stat().st_size
-    with open(optimizer, "r+b") as f:
+    shard = broken / "shards" / "__1_0.distcp"  # rank 1's part of the weights and moments
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
         f.truncate(size // 2)
     with pytest.raises(
-        UsageError, match=rf"optimizer.pt is {size // 2} bytes, the manifest says {size}"
+        UsageError, match=rf"shards/__1_0.distcp is {size // 2} bytes, the manifest says {size}"
     ):
         folder.verify_checkpoint(broken)
     out = tmp_path / "run"
@@ -203,7 +249,7 @@ def test_truncated_checkpoint_is_refused_before_anything_starts(reference, tmp_p
     assert result.returncode == 2, result.output[-3000:]
     errors = [line for line in result.output.splitlines() if "error:" in line]
     assert errors == [
-        f"finetune.py: error: --resume={str(broken)!r}: optimizer.pt is {size // 2} bytes, "
+        f"finetune.py: error: --resume={str(broken)!r}: shards/__1_0.distcp is {size // 2} bytes, "
         f"the manifest says {size} (truncated or partly written)"
     ]
     assert not out.exists()
@@ -219,7 +265,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_p
     partial = ckpts / ".tmp-step-000006"
     (ckpts / "step-000006").rename(partial)
     (partial / "manifest.json").unlink()  # the manifest is written last
-    (partial / "optimizer.pt").unlink()
+    (partial / "shards" / "__1_0.distcp").unlink()  # rank 1 had not finished writing
     assert [p.name for p in folder.list_checkpoints(run_dir)] == ["step-000003"]
     ref_log = (run_dir / "train_log.jsonl").read_text().splitlines()
     resumed = run(

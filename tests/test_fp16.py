@@ -269,7 +269,7 @@ def test_grad_scaler_and_skipped_count_survive_a_checkpoint(accelerator, tmp_pat
     fresh = _with_grad_scaler(accelerator, init_scale=1024.0, growth_interval=3)
     assert (fresh.get_scale(), fresh.state_dict()["_growth_tracker"]) == (1024.0, 0)  # control
     resume = resolve_resume("latest", str(out))
-    model = GPT2LMHeadModel.from_pretrained(resume.path)
+    model = GPT2LMHeadModel(config)  # the restore below sets the checkpoint's weights
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
     checkpoints = Checkpointer(_run(accelerator, None, None, info), out, seed=0)
     position = checkpoints.restore(model, optimizer, None, resume)

@@ -121,7 +121,8 @@ def test_another_label_set_is_refused_naming_both(tmp_path):
     three = {0: "mid", 1: "neg", 2: "pos"}
     assert refusal(path, model=bert(labels=three)) == (
         f"--resume={str(path)!r}: the checkpoint classifies into 2 labels (rotten, fresh), "
-        "this run's data into 3 (mid, neg, pos)"
+        "this run's data into 3 (mid, neg, pos); to start a new run from its weights with a "
+        "new head, pass --init-from instead of --resume"
     )
     # Two labels, other names: the head's rows would mean other classes.
     swapped = {0: "fresh", 1: "rotten"}

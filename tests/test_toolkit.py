@@ -239,10 +239,10 @@ def test_readme_example_runs_against_the_wheel(own_script, name):
     assert report["strategy"] == name and len(report["ranks"]) == 2
     assert report["grads_measured"] is True
     (checkpoint,) = (out / "out" / "checkpoints").glob("step-*")
-    assert (checkpoint / "optimizer.pt").is_file() and (checkpoint / "manifest.json").is_file()
-    # A checkpoint is a model folder: the weights gathered whole (the example saves no
-    # other model than its checkpoint).
-    assert (checkpoint / "model.safetensors").is_file()
+    assert (checkpoint / "manifest.json").is_file() and (checkpoint / "config.json").is_file()
+    # Sharded by default: each of the 2 ranks wrote its own part of the state.
+    shards = sorted(p.name for p in (checkpoint / "shards").glob("*.distcp"))
+    assert shards == ["__0_0.distcp", "__1_0.distcp"]
     assert "step 6: loss" in output
 
 

@@ -16,13 +16,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
+import math
 import shutil
 from pathlib import Path
+
+import torch
 
 from dpkit.errors import UsageError
 
 # What a dpkit checkpoint holds beyond the Hugging Face model folder.
-_TRAINING_STATE = {"optimizer.pt", "scheduler.pt", "rng.pt", "trainer_state.json", "manifest.json"}
+_TRAINING_STATE = {
+    "optimizer.pt",
+    "scheduler.pt",
+    "rng.pt",
+    "trainer_state.json",
+    "manifest.json",
+    "tensors.json",
+    "loss_scale.json",
+}
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+"""Past this, the model's weights are split over several safetensors files (what
+``save_pretrained`` does; each is held in memory while written)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a LoRA checkpoint (--lora-r): write the model with the adapters merged into "
         "its weights (loads with from_pretrained, no peft) instead of peft's adapter folder",
+    )
+    parser.add_argument(
+        "--max-shard-mb",
+        type=float,
+        default=DEFAULT_MAX_SHARD_BYTES / 1024**2,
+        help="a sharded checkpoint's weights go into safetensors files of at most this many "
+        "MiB each (one file is held in memory while written)",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing non-empty --output-dir"
@@ -103,13 +125,29 @@ def _model_for(state_dict: dict, config, model: str):
     )
 
 
-def _merged_lora_model(checkpoint: Path):
-    """The checkpoint's model with its LoRA adapters merged into the weights: the base
-    architecture from its ``config.json``, every weight (base and adapters) from its
-    ``model.safetensors``, merged by peft's ``merge_and_unload``."""
+def _checkpoint_weights(checkpoint: Path) -> dict:
+    """Every weight of a dpkit checkpoint, whole, by name (full: its ``model.safetensors``;
+    sharded: read from the shards on this one process)."""
+    from safetensors.torch import load_file
+
+    from dpkit.checkpoints import sharded
+
+    if not sharded.is_sharded(checkpoint):
+        return load_file(checkpoint / "model.safetensors")
+    index = sharded.TensorIndex.read(checkpoint)
+    return {
+        name: sharded.read_tensor(
+            checkpoint, sharded.weight_key(name), shape, getattr(torch, index.dtypes[name])
+        )
+        for name, shape in index.shapes.items()
+    }
+
+
+def _lora_model(checkpoint: Path):
+    """The checkpoint's peft model: the base architecture from its ``config.json``, every
+    weight (base and adapters) from the checkpoint."""
     import transformers
     from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
 
     config = transformers.AutoConfig.from_pretrained(checkpoint)
     model_class = getattr(transformers, (config.architectures or [""])[0], None)
@@ -122,7 +160,7 @@ def _merged_lora_model(checkpoint: Path):
     base = model_class._from_config(config).float()
     base.name_or_path = lora_config.base_model_name_or_path  # the model it was trained from
     model = get_peft_model(base, lora_config)
-    incompatible = model.load_state_dict(load_file(checkpoint / "model.safetensors"), strict=False)
+    incompatible = model.load_state_dict(_checkpoint_weights(checkpoint), strict=False)
     tied = set(getattr(model.get_base_model(), "_tied_weights_keys", None) or [])
     missing = [
         k for k in incompatible.missing_keys if k.removeprefix("base_model.model.") not in tied
@@ -132,7 +170,58 @@ def _merged_lora_model(checkpoint: Path):
             f"checkpoint={str(checkpoint)!r}: its weights are not its model's "
             f"(missing {missing[:2]}, unexpected {incompatible.unexpected_keys[:2]})"
         )
-    return model.merge_and_unload()
+    return model
+
+
+def stream_to_model_folder(
+    checkpoint: Path, output_dir: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
+) -> int:
+    """The weights of a sharded checkpoint as safetensors files a ``from_pretrained``
+    reads (``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` with their
+    index past ``max_shard_bytes``), read one tensor at a time: the memory held is one
+    output file's tensors, not the model. Returns the number of files."""
+    from safetensors.torch import save_file
+
+    from dpkit.checkpoints import sharded
+
+    index = sharded.TensorIndex.read(checkpoint)
+    files: list[list[str]] = [[]]
+    size = 0
+    for name, shape in index.shapes.items():
+        nbytes = math.prod(shape) * getattr(torch, index.dtypes[name]).itemsize
+        if files[-1] and size + nbytes > max_shard_bytes:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes
+    names = (
+        ["model.safetensors"]
+        if len(files) == 1
+        else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    )
+    for file_name, tensor_names in zip(names, files, strict=True):
+        tensors = {
+            name: sharded.read_tensor(
+                checkpoint,
+                sharded.weight_key(name),
+                index.shapes[name],
+                getattr(torch, index.dtypes[name]),
+            )
+            for name in tensor_names
+        }
+        save_file(tensors, str(output_dir / file_name), {"format": "pt"})
+        del tensors
+    if len(files) > 1:
+        total = sum(
+            math.prod(shape) * getattr(torch, index.dtypes[name]).itemsize
+            for name, shape in index.shapes.items()
+        )
+        weight_map = {n: f for f, group in zip(names, files, strict=True) for n in group}
+        (output_dir / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+            + "\n"
+        )
+    return len(files)
 
 
 def consolidate(
@@ -142,10 +231,12 @@ def consolidate(
     model: str | None,
     tag: str | None,
     merge_lora: bool = False,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> str:
     """Write the model folder; returns a one-line description of what was done."""
     from dpkit.checkpoints.folder import verify_checkpoint
     from dpkit.checkpoints.resume import LORA_ADAPTER_CONFIG
+    from dpkit.checkpoints.sharded import is_sharded
 
     if (checkpoint / "manifest.json").is_file():
         state = verify_checkpoint(checkpoint, flag="checkpoint")
@@ -156,20 +247,32 @@ def consolidate(
                 f"--merge-lora: checkpoint={str(checkpoint)!r} trained the whole model (no "
                 f"{LORA_ADAPTER_CONFIG}); drop --merge-lora"
             )
+        layout = "sharded" if is_sharded(checkpoint) else "full"
         # A LoRA checkpoint's model.safetensors and config.json (every weight by peft's
         # names, for a resume) are not a model folder: the adapter folder, or the merge.
         skipped = _TRAINING_STATE | ({"model.safetensors", "config.json"} if lora else set())
         if merge_lora:
             skipped |= {LORA_ADAPTER_CONFIG, "adapter_model.safetensors", "README.md"}
-        merged = _merged_lora_model(checkpoint) if merge_lora else None  # refusals first
+        # A sharded checkpoint has no adapter weights file: peft writes the folder.
+        peft_model = (
+            _lora_model(checkpoint) if merge_lora or (lora and layout == "sharded") else None
+        )
         output_dir.mkdir(parents=True, exist_ok=True)
         for file in checkpoint.iterdir():
             if file.is_file() and file.name not in skipped:
                 shutil.copy2(file, output_dir / file.name)
-        if merged is not None:
+        if merge_lora:
+            merged = peft_model.merge_and_unload()
             merged.save_pretrained(output_dir, safe_serialization=True)
             return f"{what}, LoRA adapters merged into {type(merged).__name__}"
-        return f"{what}, LoRA adapters (peft's folder)" if lora else what
+        if lora:
+            if peft_model is not None:
+                peft_model.save_pretrained(output_dir)
+            return f"{what}, LoRA adapters (peft's folder)"
+        if layout == "sharded":
+            files = stream_to_model_folder(checkpoint, output_dir, max_shard_bytes=max_shard_bytes)
+            return f"{what}, streamed from its shards into {files} safetensors file(s)"
+        return what
     if merge_lora:
         raise UsageError("--merge-lora: only for a dpkit checkpoint of a LoRA run")
 
@@ -212,8 +315,15 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--output-dir={args.output_dir!r}: not empty; pass --overwrite or choose another"
         )
+    if args.max_shard_mb <= 0:
+        raise UsageError(f"--max-shard-mb={args.max_shard_mb}: must be > 0")
     what = consolidate(
-        checkpoint, output_dir, model=args.model, tag=args.tag, merge_lora=args.merge_lora
+        checkpoint,
+        output_dir,
+        model=args.model,
+        tag=args.tag,
+        merge_lora=args.merge_lora,
+        max_shard_bytes=int(args.max_shard_mb * 1024**2),
     )
     print(f"dpkit consolidate: {what} -> {output_dir} (fp32, safetensors)")
     return 0

@@ -2,10 +2,15 @@
 
 A checkpoint is a folder ``<output_dir>/checkpoints/step-000120/``::
 
-    model.safetensors, config.json, tokenizer files   the consolidated fp32 weights
-                                                        (a Hugging Face folder: loads
-                                                        without DeepSpeed)
-    optimizer.pt        Adam moments per parameter name, consolidated; step count; lrs
+    shards/             sharded (the default): every rank's part of the fp32 weights
+                        and Adam moments, written by torch Distributed Checkpoint
+                        (:mod:`dpkit.checkpoints.sharded`)
+    tensors.json        sharded: every saved tensor's shape and dtype; step count; lrs
+    config.json, tokenizer files   the model's (LoRA: adapter_config.json too)
+    model.safetensors   --checkpoint-format full: the consolidated fp32 weights (a
+                        Hugging Face folder: loads without DeepSpeed)
+    optimizer.pt        --checkpoint-format full: Adam moments per parameter name,
+                        consolidated; step count; lrs
     scheduler.pt        the lr scheduler's state_dict
     rng.pt              every rank's RNG states (python, numpy, torch, cuda)
     loss_scale.json     fp16 only: the dynamic loss scale and its growth counters
@@ -173,10 +178,18 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def write_manifest(root: Path) -> None:
+def file_entry(path: Path) -> dict:
+    """A file's manifest entry: its size and sha256."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def write_manifest(root: Path, hashed: dict[str, dict] | None = None) -> None:
+    """``manifest.json``: every file under ``root``; ``hashed`` gives the entries already
+    computed (each rank hashes the shards it wrote)."""
+    hashed = hashed or {}
     files = {
-        str(p.relative_to(root)): {"bytes": p.stat().st_size, "sha256": _sha256(p)}
+        name: hashed[name] if name in hashed else file_entry(p)
         for p in sorted(root.rglob("*"))
-        if p.is_file()
+        if p.is_file() and (name := str(p.relative_to(root)))
     }
     (root / "manifest.json").write_text(json.dumps({"files": files}, indent=1) + "\n")

@@ -35,10 +35,13 @@ class Resume(NamedTuple):
     def weights_from(self, model_path: str | Path) -> str | Path:
         """What a script loads with ``from_pretrained`` before :meth:`Run.prepare
         <dpkit.train.run.Run.prepare>` restores every weight of the checkpoint: the
-        checkpoint folder itself, or, for a LoRA checkpoint, ``model_path`` (the base
-        model it was trained from: ``run.apply_lora`` adds the adapters, the restore
-        fills them)."""
-        return model_path if self.is_lora else self.path
+        checkpoint folder itself for a full checkpoint (a model folder), else
+        ``model_path``, the model it was trained from (a sharded checkpoint is no model
+        folder; for LoRA, ``run.apply_lora`` adds the adapters), which the restore
+        overwrites."""
+        from dpkit.checkpoints.sharded import is_sharded
+
+        return model_path if self.is_lora or is_sharded(self.path) else self.path
 
 
 def find_resume(resume: str | None, output_dir: str) -> Resume | None:
@@ -125,15 +128,25 @@ def _config_dict(model: Any) -> dict[str, Any] | None:
     return to_dict() if callable(to_dict) else None
 
 
-def _shape_differences(path: Path, model: Any) -> list[str]:
-    """Where the checkpoint's saved tensors and ``model``'s parameters disagree: names
-    one has and the other lacks, shapes that differ (read from the safetensors header,
-    nothing loaded). Tied parameters count once, under any of their names."""
+def _saved_shapes(path: Path) -> dict[str, list[int]]:
+    """name -> shape of every tensor a checkpoint saved: a sharded one's index, or the
+    full one's safetensors header (nothing loaded either way)."""
+    from dpkit.checkpoints.sharded import TensorIndex, is_sharded
+
+    if is_sharded(path):
+        return TensorIndex.read(path).shapes
     from safetensors import safe_open
 
     with safe_open(str(path / "model.safetensors"), framework="pt") as saved_file:
         names = saved_file.keys()  # noqa: SIM118 (safe_open is not iterable)
-        saved = {name: list(saved_file.get_slice(name).get_shape()) for name in names}
+        return {name: list(saved_file.get_slice(name).get_shape()) for name in names}
+
+
+def _shape_differences(path: Path, model: Any) -> list[str]:
+    """Where the checkpoint's saved tensors and ``model``'s parameters disagree: names
+    one has and the other lacks, shapes that differ (read from the safetensors header,
+    nothing loaded). Tied parameters count once, under any of their names."""
+    saved = _saved_shapes(path)
     aliases: dict[int, list[str]] = {}
     shapes: dict[int, list[int]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -195,6 +208,8 @@ def check_same_model(
         model: the run's model (a module, possibly on the meta device, or its config).
         model_name: what the run names its model (:func:`model_name`).
     """
+    from dpkit.checkpoints.sharded import is_sharded
+
     where = f"--resume={str(path)!r}"
     if (
         state.model is not None
@@ -217,7 +232,8 @@ def check_same_model(
         raise UsageError(
             f"{where}: the checkpoint classifies into {len(saved_labels)} labels "
             f"({', '.join(saved_labels)}), this run's data into {len(run_labels)} "
-            f"({', '.join(run_labels)})"
+            f"({', '.join(run_labels)}); to start a new run from its weights with a new "
+            "head, pass --init-from instead of --resume"
         )
     for key in ("model_type", "vocab_size"):
         if (
@@ -230,7 +246,9 @@ def check_same_model(
                 f"{where}: the checkpoint's {key} is {saved_config[key]!r}, this run's "
                 f"model's is {run_config[key]!r}"
             )
-    if hasattr(model, "named_parameters") and (path / "model.safetensors").is_file():
+    if hasattr(model, "named_parameters") and (
+        (path / "model.safetensors").is_file() or is_sharded(path)
+    ):
         differences = _shape_differences(path, model)
         if differences:
             more = f" (and {len(differences) - 3} more)" if len(differences) > 3 else ""

@@ -75,6 +75,24 @@ def save_model(
             tokenizer.save_pretrained(path)
 
 
+def save_model_files(module: Any, path: str | Path, tokenizer: Any = None) -> None:
+    """What a sharded checkpoint holds of the model besides its tensors: the config (with
+    its architecture, what consolidate builds), the tokenizer, and for LoRA peft's
+    ``adapter_config.json`` (the base model's config then). The main process calls it."""
+    from dpkit.lora import is_lora_model
+
+    base = module.get_base_model() if is_lora_model(module) else module
+    if getattr(base, "config", None) is not None:
+        config = copy.deepcopy(base.config)  # the live one stays as it is
+        config.architectures = [type(base).__name__]
+        config.save_pretrained(path)
+    if is_lora_model(module):
+        for adapter in module.peft_config.values():
+            adapter.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+
+
 def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """``weights`` with no two tensors on one storage (safetensors refuses tied ones)."""
     seen: set[int] = set()

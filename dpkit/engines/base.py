@@ -356,6 +356,35 @@ class Engine:
     def load_fp32_masters(self, accelerator: Any, module: Any, weights: dict) -> None:
         """Set the backend's own fp32 master copies exactly (where it keeps any)."""
 
+    def own_shards(self, accelerator: Any, module: Any, optimizer: Any) -> dict[str, Any]:
+        """This rank's part of the weights (fp32) and Adam moments, by the sharded
+        checkpoint's keys (:mod:`dpkit.checkpoints.sharded`); nothing is gathered. Here:
+        tensors every rank holds whole, split evenly, so the ranks share the writing."""
+        from dpkit.checkpoints import sharded
+
+        return sharded.replicated_state(
+            module, optimizer, accelerator.process_index, accelerator.num_processes
+        )
+
+    def load_own_shards(
+        self,
+        accelerator: Any,
+        module: Any,
+        optimizer: Any,
+        read: Any,
+        step: Any,
+        *,
+        with_moments: bool,
+    ) -> None:
+        """Fill this rank's weights and moments from a sharded checkpoint of any strategy
+        and world size: ``read(shards)`` loads the ranges this rank asks for (a
+        collective). Here: every tensor whole (the optimizer's state made first)."""
+        from dpkit.checkpoints import sharded
+
+        targets = sharded.replicated_targets(module, optimizer, step, with_moments=with_moments)
+        read(targets.shards)
+        targets.finish()
+
     # ---- bench and tune -----------------------------------------------------------------
 
     def accelerate_yaml(

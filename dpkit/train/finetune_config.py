@@ -20,6 +20,7 @@ from dpkit.train.output import check_output_dir
 SCALE_LR_CHOICES = ("none", "linear", "sqrt")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant_with_warmup")
 REPORT_TO_CHOICES = ("none", "tensorboard")
+CHECKPOINT_FORMAT_CHOICES = ("sharded", "full")
 
 DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
 DEFAULT_DATASET = "rotten-tomatoes-snippets"
@@ -236,6 +237,24 @@ class TrainConfig:
         default=2, metadata={"help": "Keep the last N checkpoints; 0 = keep all."}
     )
     """How many complete checkpoints to keep (oldest deleted after a newer one is complete)."""
+    checkpoint_format: str = field(
+        default="sharded",
+        metadata={
+            "help": "sharded: every rank writes its own part (a shared file system); full: "
+            "the state gathered and written by the main process (nodes without one)."
+        },
+    )
+    """How checkpoints are written; either kind resumes under any strategy and world size
+    (docs/checkpoints.md)."""
+    async_save: bool = field(
+        default=False,
+        metadata={
+            "help": "Write sharded checkpoints in the background: each rank copies its part "
+            "to CPU memory, then trains on while torch's async_save writes it."
+        },
+    )
+    """The training stall of a save is the copy only; the checkpoint completes at the next
+    save or at the end (docs/checkpoints.md)."""
     resume: str | None = field(
         default=None,
         metadata={
@@ -244,6 +263,15 @@ class TrainConfig:
         },
     )
     """Checkpoint to continue from; any strategy and world size with the same global batch."""
+    init_from: str | None = field(
+        default=None,
+        metadata={
+            "help": "Start a new run from a dpkit checkpoint's weights (a new head or label "
+            "set): the weights of the same name and shape are copied; not a resume."
+        },
+    )
+    """A checkpoint whose weights start this run (:mod:`dpkit.checkpoints.warm_start`);
+    the optimizer, schedule and data position start fresh."""
 
     def __post_init__(self) -> None:
         positive = (
@@ -265,6 +293,13 @@ class TrainConfig:
         check_choice(self, "scale_lr", SCALE_LR_CHOICES)
         check_choice(self, "lr_scheduler", SCHEDULER_CHOICES)
         check_choice(self, "report_to", REPORT_TO_CHOICES)
+        check_choice(self, "checkpoint_format", CHECKPOINT_FORMAT_CHOICES)
+        check_field(
+            not (self.async_save and self.checkpoint_format == "full"),
+            "async_save",
+            self.async_save,
+            "only with --checkpoint-format sharded (full gathers on the main process)",
+        )
         check_field(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         check_field(self.max_grad_norm >= 0, "max_grad_norm", self.max_grad_norm, "must be >= 0")
         check_field(
@@ -310,6 +345,8 @@ class TrainConfig:
             "data_seed": self.seed,
             "keep_last": self.save_total_limit,
             "save_checkpoints": self.save_checkpoints,
+            "checkpoint_format": self.checkpoint_format,
+            "async_save": self.async_save,
             "memory_probe_steps": self.memory_probe_steps,
         }
 

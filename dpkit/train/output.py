@@ -37,6 +37,7 @@ _RUN_FILES = (
     "run_info.json",
     "ds_config.json",
     "train_log.jsonl",
+    "checkpoint_log.jsonl",
     "train_summary.json",
     "metrics.jsonl",
     "memory_report.json",
@@ -76,7 +77,7 @@ class RunOutput:
         else:
             # The interrupted run's summary, if it got that far, counts steps this run redoes.
             (self.path / "train_summary.json").unlink(missing_ok=True)
-            for name in ("train_log.jsonl", "metrics.jsonl"):
+            for name in ("train_log.jsonl", "metrics.jsonl", "checkpoint_log.jsonl"):
                 path = self.path / name
                 if path.exists():
                     kept = [r for r in read_jsonl(path) if r.get("step", 0) <= resume_step]

@@ -127,6 +127,8 @@ class Run:
         save_checkpoints: bool = True,
         memory_probe_steps: int = 1,
         model_name: str | None = None,
+        checkpoint_format: str = "sharded",
+        async_save: bool = False,
     ) -> None:
         self.resolution = resolution
         self._start_options = dict(start_options or {})
@@ -142,6 +144,8 @@ class Run:
         self.tokenizer = tokenizer
         self.keep_last = keep_last
         self.save_checkpoints = save_checkpoints
+        self.checkpoint_format = checkpoint_format
+        self.async_save = async_save
         self.memory_probe_steps = memory_probe_steps
         self.model_name = model_name
         """What the run trains from, as named (recorded with each checkpoint)."""
@@ -294,6 +298,8 @@ class Run:
                 tokenizer=self.tokenizer,
                 enabled=self.save_checkpoints,
                 model_name=self.model_name,
+                checkpoint_format=self.checkpoint_format,
+                async_save=self.async_save,
             )
             self.position = self.checkpoints.restore(model, optimizer, scheduler, self.resume)
         else:
@@ -392,10 +398,11 @@ class Run:
         *,
         step: int | None = None,
     ) -> Any:
-        """The full training state (every rank calls; the main process writes) under
-        ``<output_dir>/checkpoints/step-N``, at :attr:`position` (``step`` moves it
-        there first, for a loop of your own). Returns the folder, or None when the run
-        saves no checkpoints."""
+        """The full training state under ``<output_dir>/checkpoints/step-N``, at
+        :attr:`position` (``step`` moves it there first, for a loop of your own); every
+        rank calls and, sharded (the default), writes its own part. Returns the folder
+        (with ``async_save``, complete after the next save or :meth:`finish`), or None
+        when the run saves no checkpoints."""
         if self.checkpoints is None:
             raise UsageError(
                 "run.save_checkpoint: the run has no output folder (setup output_dir=)"
@@ -417,6 +424,8 @@ class Run:
         table (main process), then ends the trackers. Returns the
         :class:`~dpkit.memory.report.MemoryReport` on the main process, None elsewhere."""
         report = None
+        if self.checkpoints is not None:
+            self.checkpoints.wait()  # an async save still being written
         if self.memory is not None:
             path = None if self.output is None else self.output.path / "memory_report.json"
             report = self.memory.write_report(path, step=step)
@@ -649,6 +658,8 @@ def setup(
     tokenizer: Any = None,
     keep_last: int = 0,
     save_checkpoints: bool = True,
+    checkpoint_format: str = "sharded",
+    async_save: bool = False,
     memory_probe_steps: int = 1,
     step_scheduler_with_optimizer: bool = True,
     log_with: str | None = None,
@@ -682,6 +693,10 @@ def setup(
             weights included, whatever ``model`` was loaded from.
         seed, tokenizer, keep_last, save_checkpoints: recorded with / saved beside each
             checkpoint; keep the newest ``keep_last`` (0: all); ``False`` writes none.
+        checkpoint_format: ``sharded`` (every rank writes its own part; the ranks share a
+            file system) or ``full`` (gathered, written by the main process).
+        async_save: sharded checkpoints written in the background: each rank copies its
+            part to CPU memory and trains on (``--async-save``).
         data_seed: seed accelerate's sampler (the same shuffle on every strategy and world size).
         memory_probe_steps: probe the memory inside the first N optimizer steps (-1: all).
         step_scheduler_with_optimizer, log_with: accelerate's switches (its trackers).
@@ -695,6 +710,15 @@ def setup(
         (args,) = parse_args(StrategyConfig)
     log_once_per_job()
     with refuse_and_exit():
+        if checkpoint_format not in ("sharded", "full"):
+            raise UsageError(
+                f"checkpoint_format={checkpoint_format!r}: must be 'sharded' or 'full'"
+            )
+        if async_save and checkpoint_format != "sharded":
+            raise UsageError(
+                f"async_save=True: only with sharded checkpoints (checkpoint_format="
+                f"{checkpoint_format!r} gathers the state on the main process)"
+            )
         name = model_name(model, configs)
         lora = LoraSettings.from_args(args)
         if lora is not None:
@@ -738,6 +762,8 @@ def setup(
         tokenizer=tokenizer,
         keep_last=keep_last,
         save_checkpoints=save_checkpoints,
+        checkpoint_format=checkpoint_format,
+        async_save=async_save,
         memory_probe_steps=memory_probe_steps,
         model_name=name,
     )

@@ -137,3 +137,96 @@ class DeepSpeedLossScaler(LossScaler):
             for name in _SCALER_STATE:
                 setattr(self.scaler, name, saved[name])
         self.scaler.cur_scale = max(float(saved["scale"]), float(self.scaler.min_scale))
+
+
+def _partitioned(zero: Any) -> dict[int, Any]:
+    """id -> the parameter, of every parameter in ZeRO's groups (those it partitions)."""
+    return {id(p): p for group in zero.bit16_groups for p in group}
+
+
+def own_shards(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dict:
+    """This rank's part of the training state by key (:mod:`dpkit.checkpoints.sharded`):
+    its fragment of each partitioned parameter's fp32 master and Adam moments (where the
+    parameter falls in its partition), an even share of the frozen ones, no gather."""
+    from dpkit.checkpoints import sharded
+
+    zero = zero_optimizer(optimizer)
+    partitioned = _partitioned(zero)
+    linked = getattr(zero, "_hp_optimizer_states_linked", False)
+    if linked:
+        _relink_moments(zero, inner_torch_optimizer(optimizer))
+    state = sharded.replicated_state(
+        module,
+        optimizer,
+        accelerator.process_index,
+        accelerator.num_processes,
+        skip=set(partitioned),
+    )
+    for name, param in module.named_parameters():
+        mapping = getattr(param, "_hp_mapping", None) if id(param) in partitioned else None
+        if mapping is None:  # not partitioned, or no fragment of it on this rank
+            continue
+        address = mapping.lp_fragment_address
+        state[sharded.weight_key(name)] = sharded.FlatShard(
+            param.numel(), address.start, mapping.hp_fragment.detach()
+        )
+        for moment in ADAM_MOMENTS if linked else ():
+            state[sharded.moment_key(name, moment)] = sharded.FlatShard(
+                param.numel(), address.start, mapping.optim_fragment[moment].detach()
+            )
+    return state
+
+
+def load_own_shards(
+    accelerator: Any,
+    module: torch.nn.Module,
+    optimizer: Any,
+    read: Any,
+    step: torch.Tensor,
+    *,
+    with_moments: bool,
+) -> None:
+    """Read this rank's fragments of the fp32 masters and moments (and the frozen weights
+    whole) from a sharded checkpoint of any layout, then let DeepSpeed copy the masters
+    into the module's weights on every rank and assemble its flat optimizer state."""
+    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+    from dpkit.checkpoints import sharded
+
+    zero = zero_optimizer(optimizer)
+    torch_opt = inner_torch_optimizer(optimizer)
+    partitioned = _partitioned(zero)
+    targets = sharded.replicated_targets(
+        module, optimizer, step, with_moments=False, skip=set(partitioned)
+    )
+    moments: dict[int, dict[str, torch.Tensor]] = {}
+    for name, param in module.named_parameters():
+        mapping = getattr(param, "_hp_mapping", None) if id(param) in partitioned else None
+        if mapping is None:
+            continue
+        address = mapping.lp_fragment_address
+        targets.shards[sharded.weight_key(name)] = sharded.FlatShard(
+            param.numel(), address.start, mapping.hp_fragment.data
+        )
+        if with_moments:
+            moments[id(param)] = {
+                moment: torch.empty_like(mapping.hp_fragment.data) for moment in ADAM_MOMENTS
+            }
+            for moment, local in moments[id(param)].items():
+                targets.shards[sharded.moment_key(name, moment)] = sharded.FlatShard(
+                    param.numel(), address.start, local
+                )
+    read(targets.shards)
+    targets.finish()
+    zero.update_lp_params()  # the module's weights from the masters just read (a collective)
+    if not with_moments:
+        return
+    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+        for lp in zero.bit16_groups[i]:
+            mapping = lp._hp_mapping
+            if mapping is None:
+                continue
+            mapping.optim_fragment = moments[id(lp)]
+        torch_opt.state[hp_partition]["step"] = step.clone()
+        map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
+    zero._hp_optimizer_states_linked = True

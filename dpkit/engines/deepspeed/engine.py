@@ -379,7 +379,29 @@ class DeepSpeedEngine(Engine):
 
         checkpoint.load_fp32_masters(module, weights)
 
+    def own_shards(self, accelerator: Any, module: Any, optimizer: Any) -> dict[str, Any]:
+        from dpkit.engines.deepspeed import checkpoint
+
+        return checkpoint.own_shards(accelerator, module, optimizer)
+
+    def load_own_shards(
+        self,
+        accelerator: Any,
+        module: Any,
+        optimizer: Any,
+        read: Any,
+        step: Any,
+        *,
+        with_moments: bool,
+    ) -> None:
+        from dpkit.engines.deepspeed import checkpoint
+
+        checkpoint.load_own_shards(
+            accelerator, module, optimizer, read, step, with_moments=with_moments
+        )
+
     # bench and tune
+
     def accelerate_yaml(
         self, strategy: Any, folder: Any, overrides: Mapping[str, Any], config: Any
     ) -> str:

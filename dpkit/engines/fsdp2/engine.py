@@ -314,7 +314,33 @@ class FSDP2Engine(Engine):
 
         checkpoint.load_weights(module, weights)
 
+    def own_shards(self, accelerator: Any, module: Any, optimizer: Any) -> dict[str, Any]:
+        """Each parameter's and moment's own rows (an evaluation may have left
+        shard-grad-op's parameters whole: sharded again first)."""
+        from dpkit.engines.fsdp2.shard import reshard
+
+        reshard(module)
+        return super().own_shards(accelerator, module, optimizer)
+
+    def load_own_shards(
+        self,
+        accelerator: Any,
+        module: Any,
+        optimizer: Any,
+        read: Any,
+        step: Any,
+        *,
+        with_moments: bool,
+    ) -> None:
+        from dpkit.engines.fsdp2.shard import reshard
+
+        reshard(module)
+        super().load_own_shards(
+            accelerator, module, optimizer, read, step, with_moments=with_moments
+        )
+
     # bench
+
     def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
         reshard = str(strategy.reshard_after_forward).lower()
         module = ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", reshard]

@@ -1,0 +1,89 @@
+"""``--init-from``: a checkpoint's weights as the start of a new run, not a resume.
+
+A resume continues the same run (model, labels, optimizer, schedule, data position) and
+refuses anything else. Starting a new task from a fine-tuned checkpoint (another label
+set, a new head) is this: every weight whose name and shape the new model shares is
+copied; the rest (the head) stays as the model was built, and the log says which.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dpkit.errors import UsageError
+
+
+def check_init_from(path: str, resume: str | None) -> Path:
+    """``--init-from``, checked before any process group: a complete dpkit checkpoint of
+    a whole model (not LoRA adapters), and not together with ``--resume``."""
+    from dpkit.checkpoints.folder import verify_checkpoint
+    from dpkit.checkpoints.resume import LORA_ADAPTER_CONFIG
+
+    if resume is not None:
+        raise UsageError(
+            f"--init-from={path!r}: not with --resume={resume!r} (a resume continues its own "
+            "run; --init-from starts a new one from a checkpoint's weights)"
+        )
+    folder = Path(path)
+    verify_checkpoint(folder, flag="--init-from")
+    if (folder / LORA_ADAPTER_CONFIG).is_file():
+        raise UsageError(
+            f"--init-from={path!r}: a LoRA checkpoint; merge its adapters first (dpkit "
+            "consolidate CHECKPOINT --output-dir DIR --merge-lora) and pass --model DIR"
+        )
+    return folder
+
+
+def init_from(model: Any, path: str | Path) -> str:
+    """Copy into ``model`` every weight of the checkpoint at ``path`` that it has under the
+    same name and shape (read on this process, one tensor at a time for a sharded
+    checkpoint); returns the log line saying what was left as built."""
+    import torch
+
+    from dpkit.checkpoints import sharded
+
+    path = Path(path)
+    own = dict(model.named_parameters())
+    own.update(sharded.persistent_buffers(model))
+    if sharded.is_sharded(path):
+        index = sharded.TensorIndex.read(path)
+        saved_shapes = index.shapes
+
+        def read(name: str) -> torch.Tensor:
+            dtype = getattr(torch, index.dtypes[name])
+            return sharded.read_tensor(path, sharded.weight_key(name), saved_shapes[name], dtype)
+    else:
+        from safetensors import safe_open
+
+        handle = safe_open(str(path / "model.safetensors"), framework="pt")
+        saved_shapes = {n: list(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118
+
+        def read(name: str) -> torch.Tensor:
+            return handle.get_tensor(name)
+
+    copied, other_shape = [], []
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if name not in saved_shapes:
+                continue
+            if saved_shapes[name] != list(tensor.shape):
+                other_shape.append(f"{name} {saved_shapes[name]} -> {list(tensor.shape)}")
+                continue
+            tensor.copy_(read(name))
+            copied.append(name)
+    if not copied:
+        raise UsageError(
+            f"--init-from={str(path)!r}: no weight of the checkpoint has this model's names "
+            f"(it saved e.g. {sorted(saved_shapes)[:2]}, this model has {sorted(own)[:2]})"
+        )
+    as_built = [n for n in own if n not in copied]
+    line = f"init from {path}: {len(copied)} of {len(own)} weights copied"
+    if as_built:
+        shown = ", ".join(as_built[:4]) + (
+            f" and {len(as_built) - 4} more" if len(as_built) > 4 else ""
+        )
+        line += f"; left as built (a new head or task): {shown}"
+    if other_shape:
+        line += f"; of another shape in the checkpoint: {', '.join(other_shape[:2])}"
+    return line

@@ -1,0 +1,154 @@
+"""A sharded checkpoint read by one process: ``--init-from`` (a new run from a checkpoint's
+weights, a new head), the resume checks on its index, and ``dpkit consolidate``'s stream.
+
+The checkpoint is a real one: a tiny BERT classifier trained one AdamW step by accelerate
+in this process (no process group) and saved by dpkit's Checkpointer, sharded (the
+default). The expectations are the trained model's own tensors, kept before the save.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+from dpkit.checkpoints.checkpointer import Checkpointer, Position
+from dpkit.checkpoints.consolidate import stream_to_model_folder
+from dpkit.checkpoints.folder import verify_checkpoint
+from dpkit.checkpoints.resume import check_same_model
+from dpkit.checkpoints.warm_start import check_init_from, init_from
+from dpkit.errors import UsageError
+from dpkit.strategy import STRATEGIES
+from dpkit.train.output import RunOutput, read_jsonl
+from dpkit.train.run import RunInfo
+
+TWO = {0: "rotten", 1: "fresh"}
+THREE = {0: "mid", 1: "neg", 2: "pos"}
+
+
+def bert(labels: dict[int, str], hidden: int = 32, seed: int = 0) -> BertForSequenceClassification:
+    torch.manual_seed(seed)
+    config = BertConfig(
+        vocab_size=100, hidden_size=hidden, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=2 * hidden, max_position_embeddings=64,
+        id2label=labels, label2id={v: k for k, v in labels.items()},
+    )  # fmt: skip
+    return BertForSequenceClassification(config)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """(checkpoint folder, the trained model's tensors by name, cloned before the save)."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    out = tmp_path_factory.mktemp("run")
+    accelerator = Accelerator(cpu=True)
+    try:
+        model = bert(TWO)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        tokens = torch.arange(16).reshape(2, 8)
+        accelerator.backward(model(input_ids=tokens, labels=torch.tensor([0, 1])).loss)
+        optimizer.step()
+        expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+        strategy = STRATEGIES["ddp"]
+        info = RunInfo(
+            strategy="ddp", strategy_source="test", distributed_type="NO", world_size=1,
+            backend=None, device="cpu", wrapper="BertForSequenceClassification",
+            zero_stage=0, precision="no", micro_batch_size=2, gradient_accumulation_steps=1,
+            global_batch_size=2, learning_rate=1e-2, num_params=0,
+        )  # fmt: skip
+        run = SimpleNamespace(
+            accelerator=accelerator, output=RunOutput(str(out), True), info=info,
+            strategy=strategy, engine=strategy.engine,
+        )  # fmt: skip
+        path = Checkpointer(run, out, seed=0, model_name="org/tiny-bert").save(
+            model, optimizer, None, Position(step=1)
+        )
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    return path, expected, out
+
+
+def test_the_save_is_sharded_and_logged(trained):
+    path, expected, out = trained
+    assert (path / "shards" / "__0_0.distcp").is_file() and not (
+        path / "model.safetensors"
+    ).exists()
+    assert verify_checkpoint(path).step == 1
+    (record,) = read_jsonl(out / "checkpoint_log.jsonl")
+    assert record["step"] == 1 and record["checkpoint_format"] == "sharded"
+    # One process wrote all: fp32 weight + exp_avg + exp_avg_sq, 12 bytes per parameter,
+    # plus DCP's torch.save header per item (41 parameters x 3 items; measured 1.6 KB each).
+    params = sum(t.numel() for t in expected.values())
+    assert 12 * params < record["bytes_per_rank"][0] < 12 * params + 2_000 * 41 * 3
+    assert record["seconds"] > 0
+
+
+def test_init_from_copies_the_backbone_and_leaves_a_new_head_as_built(trained):
+    path, expected, _ = trained
+    fresh = bert(THREE, seed=1)
+    head_before = fresh.classifier.weight.detach().clone()
+    line = init_from(fresh, path)
+    for name, param in fresh.named_parameters():
+        if name.startswith("bert."):
+            assert torch.equal(param, expected[name]), name
+    assert torch.equal(fresh.classifier.weight, head_before)
+    assert line.startswith(f"init from {path}: ")
+    # 2 layers of 16 tensors, embeddings 5, pooler 2: 39 backbone tensors copied; the
+    # head's weight and bias left as built.
+    assert f"{39} of 41 weights copied" in line
+    assert "classifier.weight [2, 32] -> [3, 32]" in line
+
+
+def test_init_from_is_refused_with_resume_or_for_no_checkpoint(trained, tmp_path):
+    path, _, _ = trained
+    with pytest.raises(UsageError, match=r"--init-from=.*: not with --resume='latest'"):
+        check_init_from(str(path), "latest")
+    with pytest.raises(UsageError, match=r"--init-from=.*: no such checkpoint folder"):
+        check_init_from(str(tmp_path / "nope"), None)
+    assert check_init_from(str(path), None) == path
+    other = BertForSequenceClassification(
+        BertConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=1,
+                   intermediate_size=8)
+    )  # fmt: skip
+    renamed = torch.nn.Sequential(other)  # every name prefixed "0.": nothing in common
+    with pytest.raises(UsageError, match=r"no weight of the checkpoint has this model's names"):
+        init_from(renamed, path)
+
+
+def test_a_resume_into_other_shapes_is_refused_from_the_index(trained):
+    path, _, _ = trained
+    state = verify_checkpoint(path)
+    with pytest.raises(UsageError) as refused:
+        check_same_model(state, path, model=bert(TWO, hidden=48), model_name="org/tiny-bert")
+    assert (
+        "bert.embeddings.word_embeddings.weight is [100, 32] in the checkpoint, [100, 48]"
+        in str(refused.value)
+    )
+    check_same_model(state, path, model=bert(TWO), model_name="org/tiny-bert")  # its own model
+
+
+def test_consolidate_streams_into_several_files_that_from_pretrained_reads(trained, tmp_path):
+    path, expected, _ = trained
+    # The word embeddings are 100 x 32 x 4 = 12,800 bytes; 16 KB files split the model.
+    files = stream_to_model_folder(path, tmp_path, max_shard_bytes=16_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert files == len(set(index["weight_map"].values())) > 1
+    (tmp_path / "config.json").write_text((path / "config.json").read_text())
+    loaded = BertForSequenceClassification.from_pretrained(tmp_path)
+    for name, param in loaded.named_parameters():
+        assert torch.equal(param, expected[name]), name
+
+
+def test_consolidate_writes_one_file_below_the_limit(trained, tmp_path: Path):
+    path, _, _ = trained
+    assert stream_to_model_folder(path, tmp_path) == 1
+    assert (tmp_path / "model.safetensors").is_file()
+    assert not (tmp_path / "model.safetensors.index.json").exists()
