@@ -152,3 +152,17 @@ def test_consolidate_writes_one_file_below_the_limit(trained, tmp_path: Path):
     assert stream_to_model_folder(path, tmp_path) == 1
     assert (tmp_path / "model.safetensors").is_file()
     assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_replicated_tensors_are_split_into_ranges_that_cover_them_once():
+    """DDP's share of a replicated tensor per rank: 10 elements over 4 ranks, by hand
+    (floor(10 r / 4) to floor(10 (r + 1) / 4)). Every MiniLM tensor has an even size, so
+    the 2-process runs cannot see a split that drops a remainder."""
+    from dpkit.checkpoints.sharded import even_range, replicated_shard
+
+    assert [even_range(10, r, 4) for r in range(4)] == [(0, 2), (2, 3), (5, 2), (7, 3)]
+    tensor = torch.arange(7.0)
+    parts = [replicated_shard(tensor, r, 3) for r in range(3)]
+    assert torch.equal(torch.cat([p.local for p in parts]), tensor)
+    assert [p.offset for p in parts] == [0, 2, 4]
+    assert replicated_shard(torch.arange(1.0), 0, 2) is None  # an empty share writes nothing

@@ -56,6 +56,7 @@ from dpkit.checkpoints.state import (
     LossScaler,
     full_optimizer_state,
     load_optimizer_state,
+    restore_lrs,
     rng_state,
     save_model,
     save_model_files,
@@ -268,9 +269,7 @@ def _load_sharded(engine, accelerator, model, optimizer, path: Path) -> None:
     import torch.distributed as dist
 
     index = TensorIndex.read(path)
-    torch_opt = inner_torch_optimizer(optimizer)
-    for group, lr in zip(torch_opt.param_groups, index.param_group_lrs, strict=True):
-        group["lr"] = lr
+    restore_lrs(optimizer, index.param_group_lrs)
     engine.load_own_shards(
         accelerator,
         accelerator.unwrap_model(model),

@@ -17,11 +17,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import shutil
 from pathlib import Path
-
-import torch
 
 from dpkit.errors import UsageError
 
@@ -135,12 +132,7 @@ def _checkpoint_weights(checkpoint: Path) -> dict:
     if not sharded.is_sharded(checkpoint):
         return load_file(checkpoint / "model.safetensors")
     index = sharded.TensorIndex.read(checkpoint)
-    return {
-        name: sharded.read_tensor(
-            checkpoint, sharded.weight_key(name), shape, getattr(torch, index.dtypes[name])
-        )
-        for name, shape in index.shapes.items()
-    }
+    return {name: index.weight(checkpoint, name) for name in index.shapes}
 
 
 def _lora_model(checkpoint: Path):
@@ -187,8 +179,8 @@ def stream_to_model_folder(
     index = sharded.TensorIndex.read(checkpoint)
     files: list[list[str]] = [[]]
     size = 0
-    for name, shape in index.shapes.items():
-        nbytes = math.prod(shape) * getattr(torch, index.dtypes[name]).itemsize
+    for name in index.shapes:
+        nbytes = index.nbytes(name)
         if files[-1] and size + nbytes > max_shard_bytes:
             files.append([])
             size = 0
@@ -200,22 +192,11 @@ def stream_to_model_folder(
         else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     )
     for file_name, tensor_names in zip(names, files, strict=True):
-        tensors = {
-            name: sharded.read_tensor(
-                checkpoint,
-                sharded.weight_key(name),
-                index.shapes[name],
-                getattr(torch, index.dtypes[name]),
-            )
-            for name in tensor_names
-        }
+        tensors = {name: index.weight(checkpoint, name) for name in tensor_names}
         save_file(tensors, str(output_dir / file_name), {"format": "pt"})
         del tensors
     if len(files) > 1:
-        total = sum(
-            math.prod(shape) * getattr(torch, index.dtypes[name]).itemsize
-            for name, shape in index.shapes.items()
-        )
+        total = sum(index.nbytes(name) for name in index.shapes)
         weight_map = {n: f for f, group in zip(names, files, strict=True) for n in group}
         (output_dir / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)

@@ -128,7 +128,7 @@ def _config_dict(model: Any) -> dict[str, Any] | None:
     return to_dict() if callable(to_dict) else None
 
 
-def _saved_shapes(path: Path) -> dict[str, list[int]]:
+def saved_shapes(path: Path) -> dict[str, list[int]]:
     """name -> shape of every tensor a checkpoint saved: a sharded one's index, or the
     full one's safetensors header (nothing loaded either way)."""
     from dpkit.checkpoints.sharded import TensorIndex, is_sharded
@@ -146,7 +146,7 @@ def _shape_differences(path: Path, model: Any) -> list[str]:
     """Where the checkpoint's saved tensors and ``model``'s parameters disagree: names
     one has and the other lacks, shapes that differ (read from the safetensors header,
     nothing loaded). Tied parameters count once, under any of their names."""
-    saved = _saved_shapes(path)
+    saved = saved_shapes(path)
     aliases: dict[int, list[str]] = {}
     shapes: dict[int, list[int]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):

@@ -255,6 +255,18 @@ class TensorIndex:
     def read(cls, path: Path) -> TensorIndex:
         return cls(**json.loads((path / TENSORS_FILE).read_text()))
 
+    def dtype(self, name: str) -> torch.dtype:
+        return getattr(torch, self.dtypes[name])
+
+    def nbytes(self, name: str) -> int:
+        """The saved size of weight ``name`` in bytes."""
+        return math.prod(self.shapes[name]) * self.dtype(name).itemsize
+
+    def weight(self, checkpoint: Path, name: str) -> torch.Tensor:
+        """Weight ``name`` of the checkpoint at ``checkpoint``, whole, read on this process
+        (:func:`read_tensor`)."""
+        return read_tensor(checkpoint, weight_key(name), self.shapes[name], self.dtype(name))
+
 
 def read_tensor(path: Path, key: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
     """One saved tensor, whole, read on one process without a process group (what

@@ -107,20 +107,25 @@ def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def full_optimizer_state(engine: Any, accelerator: Any, model: Any, optimizer: Any) -> dict | None:
     """Adam moments per parameter name at full size, the step count and each group's lr,
     on the main process (None elsewhere); a collective under the sharding engines."""
+    from dpkit.checkpoints.sharded import optimizer_step
+
     module = accelerator.unwrap_model(model)
     torch_opt = inner_torch_optimizer(optimizer)
-    steps = [
-        float(s["step"]) for s in torch_opt.state.values() if isinstance(s, dict) and "step" in s
-    ]
     moments = engine.full_moments(accelerator, module, optimizer)
     if not accelerator.is_main_process:
         return None
     return {
         "format_version": FORMAT_VERSION,
-        "step": int(steps[0]) if steps else 0,
+        "step": optimizer_step(optimizer),
         "moments": moments or {},
         "param_group_lrs": [float(g["lr"]) for g in torch_opt.param_groups],
     }
+
+
+def restore_lrs(optimizer: Any, lrs: list[float]) -> None:
+    """Each parameter group's lr as saved (the schedule resumes from it)."""
+    for group, lr in zip(inner_torch_optimizer(optimizer).param_groups, lrs, strict=True):
+        group["lr"] = lr
 
 
 def load_optimizer_state(
@@ -128,9 +133,7 @@ def load_optimizer_state(
 ) -> None:
     """Put consolidated moments back, re-sharded for this run's strategy and world size."""
     module = accelerator.unwrap_model(model)
-    torch_opt = inner_torch_optimizer(optimizer)
-    for group, lr in zip(torch_opt.param_groups, saved["param_group_lrs"], strict=True):
-        group["lr"] = lr
+    restore_lrs(optimizer, saved["param_group_lrs"])
     moments = saved["moments"]
     if not moments:
         return

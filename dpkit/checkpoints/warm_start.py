@@ -42,40 +42,38 @@ def init_from(model: Any, path: str | Path) -> str:
     import torch
 
     from dpkit.checkpoints import sharded
+    from dpkit.checkpoints.resume import saved_shapes
 
     path = Path(path)
     own = dict(model.named_parameters())
     own.update(sharded.persistent_buffers(model))
+    saved = saved_shapes(path)
     if sharded.is_sharded(path):
         index = sharded.TensorIndex.read(path)
-        saved_shapes = index.shapes
 
         def read(name: str) -> torch.Tensor:
-            dtype = getattr(torch, index.dtypes[name])
-            return sharded.read_tensor(path, sharded.weight_key(name), saved_shapes[name], dtype)
+            return index.weight(path, name)
+
     else:
         from safetensors import safe_open
 
         handle = safe_open(str(path / "model.safetensors"), framework="pt")
-        saved_shapes = {n: list(handle.get_slice(n).get_shape()) for n in handle.keys()}  # noqa: SIM118
-
-        def read(name: str) -> torch.Tensor:
-            return handle.get_tensor(name)
+        read = handle.get_tensor
 
     copied, other_shape = [], []
     with torch.no_grad():
         for name, tensor in own.items():
-            if name not in saved_shapes:
+            if name not in saved:
                 continue
-            if saved_shapes[name] != list(tensor.shape):
-                other_shape.append(f"{name} {saved_shapes[name]} -> {list(tensor.shape)}")
+            if saved[name] != list(tensor.shape):
+                other_shape.append(f"{name} {saved[name]} -> {list(tensor.shape)}")
                 continue
             tensor.copy_(read(name))
             copied.append(name)
     if not copied:
         raise UsageError(
             f"--init-from={str(path)!r}: no weight of the checkpoint has this model's names "
-            f"(it saved e.g. {sorted(saved_shapes)[:2]}, this model has {sorted(own)[:2]})"
+            f"(it saved e.g. {sorted(saved)[:2]}, this model has {sorted(own)[:2]})"
         )
     as_built = [n for n in own if n not in copied]
     line = f"init from {path}: {len(copied)} of {len(own)} weights copied"
