@@ -231,24 +231,27 @@ def test_every_step_says_where_its_time_went(classification_bench):
     # DDP's own timing is an average over its first 10 iterations: here every step (one
     # micro-batch each), the warm-up included. In seconds, it fits the same steps as the
     # run's own log has them: what the backward computes and waits for lies within the
-    # mean step, and DDP's backward compute is the phase clock's backward (from the loss
+    # slowest step (not the mean: DDP's and the log's clocks sample the steps differently,
+    # and on 2 loaded cores one DDP average came out 8% above the log's mean step), and
+    # DDP's backward compute is the phase clock's backward (from the loss
     # to the last gradient) within 2x either way (measured 1.25x for dpkit's DDP, 1.06x
     # for the Trainer's, on 2 loaded cores). A time unit off by 1000 fails either side.
     for name in ("ddp", "trainer_ddp"):
         timing = runs[name]["ddp_timing"]
         records = _log(runs[name])
         step = statistics.fmean(r["step_time_s"] for r in records)
+        slowest = max(r["step_time_s"] for r in records)
         backward = statistics.fmean(r["backward_s"] for r in records)
-        assert 0 < timing["backward_comm_exposed_s"] <= timing["backward_comm_s"] < step, (
+        assert 0 < timing["backward_comm_exposed_s"] <= timing["backward_comm_s"] < slowest, (
             name,
             timing,
-            step,
+            slowest,
         )
         assert 0 < timing["forward_compute_s"] < step, (name, timing, step)
-        assert timing["backward_compute_s"] + timing["backward_comm_exposed_s"] < step, (
+        assert timing["backward_compute_s"] + timing["backward_comm_exposed_s"] < slowest, (
             name,
             timing,
-            step,
+            slowest,
         )
         assert 0.5 < timing["backward_compute_s"] / backward < 2.0, (name, timing, backward)
     for name in ("zero2", "trainer_zero2", "floor"):
