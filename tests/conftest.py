@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import json
 import os
 import shutil
 import sys
@@ -25,6 +27,13 @@ def hides_gpus(markexpr: str) -> bool:
 
 def pytest_configure(config: pytest.Config) -> None:
     """Keep a mutant in this process; hide the GPUs from the CPU suite (below)."""
+    if "mutmut" in sys.modules:
+        # Under ``make mutate`` each mutant's tests are a pytest session forked from one
+        # that has imported torch, transformers and every test module. pytest ends each
+        # session with several full garbage collections, which walk that whole heap:
+        # 1.3 s of every mutant's 1.4 s when its tests are fast. Frozen objects are not
+        # walked; nothing the tests allocate is frozen.
+        gc.freeze()
     keep_mutant_in_process()
     hide_gpus(config)
 
@@ -39,6 +48,26 @@ def keep_mutant_in_process() -> None:
     here, the child runs the code unmutated: only in-process tests judge a mutant.
     """
     os.environ.pop("MUTANT_UNDER_TEST", None)
+
+
+# mutmut's record, in its folder (the tests' working directory under ``make mutate``), of
+# how long each test took when it ran the unmutated code.
+MUTMUT_STATS = Path("mutmut-stats.json")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under ``make mutate``: run a mutant's tests fastest first.
+
+    mutmut runs the tests that reach the mutated function with ``-x``, in no particular
+    order, so a mutant that a 0.01 s test kills can wait behind a 15 s one. Most mutants
+    are killed; ordering by the unmutated run's times makes each of those cost about its
+    fastest killing test. A survivor still runs them all. Outside mutmut the order is
+    left alone.
+    """
+    if "mutmut" not in sys.modules or not MUTMUT_STATS.is_file():
+        return
+    seconds = json.loads(MUTMUT_STATS.read_text()).get("duration_by_test", {})
+    items.sort(key=lambda item: seconds.get(item.nodeid, float("inf")))
 
 
 def hide_gpus(config: pytest.Config) -> None:

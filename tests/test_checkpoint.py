@@ -75,7 +75,7 @@ def test_resumed_run_equals_the_uninterrupted_one(reference, tmp_path, name):
     assert resumed.final("test")["accuracy"] == ref.final("test")["accuracy"]
 
 
-# ZeRO-2 from 2 to 4 processes and ZeRO-2 to DDP resume in
+# ZeRO-2 from 2 to 4 processes, and that checkpoint from 4 to DDP on 2, resume in
 # test_resume_restores_the_saved_optimizer_state_exactly, whose check (every Adam moment
 # bit for bit) is stronger than the loss trajectory's; one launch each, not two.
 @pytest.mark.parametrize(
@@ -117,21 +117,35 @@ def moment_mismatches(got: dict, expected: dict) -> list[str]:
     return wrong
 
 
+@pytest.fixture(scope="module")
+def zero2_resumed_on_4(reference, module_tmp):
+    """The zero2 reference's step 3 resumed by ZeRO-2 on 4 processes with --max-steps 3
+    (no step to train): its final save, written sharded by 4 ranks, is the state it
+    loaded. Checked in the 2 -> 4 case below and read back on 2 in the 4 -> 2 case."""
+    resumed = launch_ck(
+        "zero2", 4, module_tmp / "zero2-on-4", "--micro-batch-size", "8", "--max-steps", "3",
+        "--no-save-model", "--resume", str(step3(reference("zero2_no_dropout"))),
+    )  # fmt: skip
+    assert "trained 0 steps in" in resumed.output  # the save holds what was loaded
+    return resumed
+
+
 @pytest.mark.parametrize(
     "source, strategy, nproc, args",
     [
-        ("zero2_no_dropout", "zero2", 4, ["--micro-batch-size", "8"]),
-        ("zero2", "ddp", 2, ["--micro-batch-size", "16"]),
+        ("zero2_no_dropout", "zero2", 4, None),
+        # From the 4-process checkpoint above: ZeRO-2 on 4 -> DDP on 2.
+        ("zero2_no_dropout", "ddp", 2, ["--micro-batch-size", "16"]),
         ("fsdp2_shard_grad_op", "zero2", 2, ["--micro-batch-size", "16"]),
         # Read from shards, written gathered (--checkpoint-format full): both layouts agree.
         ("ddp", "fsdp2_full_shard", 2, ["--micro-batch-size", "16", "--checkpoint-format", "full"]),
     ],
-    ids=["zero2-2to4", "zero2-to-ddp", "fsdp2-to-zero2", "ddp-to-fsdp2-full"],
+    ids=["zero2-2to4", "zero2-4to2-ddp", "fsdp2-to-zero2", "ddp-to-fsdp2-full"],
 )
 # FSDP2 <-> ZeRO/DDP continue from exactly the saved state here; that FSDP2 then trains
 # exactly as DDP does is tests/test_fsdp2.py's (same flags, bit-for-bit losses).
 def test_resume_restores_the_saved_optimizer_state_exactly(
-    reference, tmp_path, source, strategy, nproc, args
+    reference, zero2_resumed_on_4, tmp_path, source, strategy, nproc, args
 ):
     """Resume at step 3 with --max-steps 3 (no step to train), so the run's final save is
     the state it loaded: re-sharded for the new world size or strategy, then gathered
@@ -139,11 +153,18 @@ def test_resume_restores_the_saved_optimizer_state_exactly(
     comparison of the cross-resume runs cannot see a swap of two same-shaped parameters'
     moments: 3e-5 of loss deviation, under its 2e-3 tolerance.)"""
     ref = reference(source)
-    resumed = launch_ck(
-        strategy, nproc, tmp_path, *args, "--max-steps", "3", "--no-save-model",
-        "--resume", str(step3(ref)),
-    )  # fmt: skip
-    assert "trained 0 steps in" in resumed.output  # the save holds what was loaded
+    if args is None:  # 2 -> 4: the module's run
+        resumed = zero2_resumed_on_4
+    else:
+        # 4 -> 2 reads the 4-process checkpoint (the source's state, checked in 2 -> 4).
+        start = step3(zero2_resumed_on_4 if strategy == "ddp" else ref)
+        resumed = launch_ck(
+            strategy, nproc, tmp_path, *args, "--max-steps", "3", "--no-save-model",
+            "--resume", str(start),
+        )  # fmt: skip
+        assert "trained 0 steps in" in resumed.output
+        if strategy == "ddp":
+            assert "RNG streams not restored (4 -> 2" in resumed.output
     expected = _moments(step3(ref))
     assert len(expected) > 100 and all(len(m) == 2 for m in expected.values())
     assert moment_mismatches(_moments(step3(resumed)), expected) == []

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import dpkit
+from dpkit import models
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -59,3 +60,39 @@ def test_a_model_of_ones_own_is_refused_by_setup_naming_what_to_do(capsys):
         "error: --gradient-checkpointing=True: Sequential is not a transformers model; "
         "checkpoint its blocks with torch.utils.checkpoint in its own forward instead"
     ), lines
+
+
+def test_a_transformers_model_without_support_is_refused_naming_it():
+    """The same refusal as the recipe's, in process: CTRL's class sets
+    supports_gradient_checkpointing = False (transformers' modeling_ctrl.py)."""
+    from transformers import CTRLConfig, CTRLLMHeadModel
+
+    with torch.device("meta"):
+        model = CTRLLMHeadModel(CTRLConfig(vocab_size=300, n_embd=32, n_layer=1, n_head=2, dff=64))
+    with pytest.raises(dpkit.UsageError) as refused:
+        models.check_gradient_checkpointing(model)
+    assert str(refused.value) == (
+        "--gradient-checkpointing=True: CTRLLMHeadModel does not support gradient "
+        "checkpointing (transformers' supports_gradient_checkpointing is False)"
+    )
+
+
+def test_enabling_recomputes_every_layer_with_the_non_reentrant_checkpoint():
+    """What dpkit turns on: every layer wraps torch.utils.checkpoint.checkpoint with
+    use_reentrant=False (the variant DDP, ZeRO and FSDP2 all run), and the model says so."""
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+        vocab_size=100,
+    )  # fmt: skip
+    model = BertModel(config)
+    assert not models.is_gradient_checkpointing(model)
+    models.enable_gradient_checkpointing(model)
+    assert models.is_gradient_checkpointing(model)
+    layers = model.encoder.layer
+    assert len(layers) == 2
+    for layer in layers:
+        wrapped = layer._gradient_checkpointing_func  # transformers' GradientCheckpointingLayer
+        assert wrapped.func is torch.utils.checkpoint.checkpoint
+        assert wrapped.keywords == {"use_reentrant": False}

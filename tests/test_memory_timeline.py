@@ -275,8 +275,12 @@ def _two_rank_report(run_dir: Path, larger_rank: int) -> dict:
 def test_the_bench_takes_the_timeline_of_the_rank_that_peaks_highest(run_dir, larger_rank):
     from dpkit.bench.results import summarize_memory
 
-    memory = summarize_memory(_two_rank_report(run_dir, larger_rank))
+    report = _two_rank_report(run_dir, larger_rank)
+    for row in report["ranks"]:  # the runtime's own bytes at the peak, told apart per rank
+        row["peak"] = {**(row.get("peak") or {}), "rss_runtime_at_track": 1000.0 + row["rank"]}
+    memory = summarize_memory(report)
     assert memory["timeline_rank"] == larger_rank
+    assert memory["runtime_bytes"] == 1000.0 + larger_rank
     points = memory["timeline"]["points"]
     first = json.loads((run_dir / "memory_report.json").read_text())["ranks"][0]["timeline"]
     assert points[0]["grads"] == first["points"][0]["grads"] + 2.0**20
@@ -291,6 +295,7 @@ def test_a_bench_report_without_timelines_summarises_without_one(run_dir):
         del row["timeline"]
     memory = summarize_memory(report)
     assert memory["timeline"] is None and memory["timeline_rank"] is None
+    assert memory["runtime_bytes"] is None
     results = {"strategies": ["ddp"], "runs": {"ddp": {"memory": memory}}}
     assert not has_timelines(results)
 

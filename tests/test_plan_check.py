@@ -11,6 +11,7 @@ out by hand from torch's count of the model (a Linear(8, 3): a 24-element weight
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -414,3 +415,62 @@ def test_an_error_beyond_the_column_is_bounded_and_an_unchecked_row_says_why():
     (row,) = [line for line in format_check(check).splitlines() if line.startswith("buffers ")]
     assert row == f"{'buffers':<14}{'94.9':>11}{'-':>11}{'-':>9}  why"
     assert check.error_pct["buffers"] is None and check.error_pct["params"] == 0.0
+
+
+def test_the_table_shows_every_row_and_note_a_checkpointed_run_can_have():
+    """Every optional part at once: the checkpointing mark and its note, the planned batch,
+    a row the plan gives no number for (a CPU run's peak), buffers and activations, the
+    logits' and the formula's notes, and an error of exactly +1000% (planned 11 MiB,
+    measured 1: (11 - 1) / 1), the first one the column bounds."""
+    check = PlanCheck(
+        run_dir=Path("runs/gc"), model="gpt2", strategy="ddp", world_size=2, precision="fp32",
+        predicted={"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "master": 0.0,
+                   "total": 16 * MIB, "buffers": 11 * MIB, "activations": 2 * MIB},
+        measured={"params": 4 * MIB, "grads": 4 * MIB, "optimizer": 8 * MIB, "master": 0.0,
+                  "total": 16 * MIB, "buffers": 1 * MIB, "activations": 2.5 * MIB},
+        grads_paper=0.0, grads_where="", planned_batch="micro-batch 8 x 128 tokens",
+        not_predicted={"peak": "why not"}, logits_peak=3 * MIB, gradient_checkpointing=True,
+        recomputed_layer=1.5 * MIB, activation_method="formula: no trace",
+    )  # fmt: skip
+    assert format_check(check).splitlines() == [
+        "dpkit plan --against runs/gc",
+        "  gpt2: ddp on 2 ranks, fp32, gradient checkpointing; per GPU (plan: its worst "
+        "rank; measured: the largest rank)",
+        "  activations planned for micro-batch 8 x 128 tokens",
+        "",
+        "MiB per GPU     predicted   measured    error",
+        "params                4.0        4.0    +0.0%",
+        "grads                 4.0        4.0    +0.0%",
+        "optimizer             8.0        8.0    +0.0%",
+        "master                0.0        0.0        -",
+        "total                16.0       16.0    +0.0%",
+        "buffers              11.0        1.0   >+999%",
+        "activations           2.0        2.5   -20.0%",
+        "peak                    -          -        -  why not",
+        "total: the model states; activations: bytes saved for backward in one forward (the "
+        "report's measure)",
+        "not in activations above: the loss's logits peak at the start of backward, 3.0 MiB "
+        "planned (transient, not a saved tensor; the report does not measure it)",
+        "activations planned by the formula, not a trace (formula: no trace)",
+        "gradient checkpointing: activations are each layer's inputs (what the forward keeps); "
+        "the layer recomputed in backward adds 1.5 MiB planned at a time (transient, not "
+        "measured)",
+    ]
+    # Just under the bound, the error is written out; a classifier's logits get no line.
+    predicted = {**check.predicted, "buffers": 10.99 * MIB}
+    lines = format_check(replace(check, predicted=predicted, logits_peak=0.04 * MIB)).splitlines()
+    assert f"{'buffers':<14}{'11.0':>11}{'1.0':>11}{'+999.0%':>9}" in lines
+    assert not any(line.startswith("not in activations") for line in lines)
+    # From 0.05 MiB of logits on, the line is there.
+    lines = format_check(replace(check, logits_peak=0.05 * MIB)).splitlines()
+    assert any(line.startswith("not in activations") for line in lines)
+    # A row with no number, not planned or not measurable is a row less or a row without
+    # its measure, not the end of the table.
+    predicted = {k: v for k, v in check.predicted.items() if k != "grads"}
+    measured = {k: v for k, v in check.measured.items() if k != "grads"}
+    early = replace(
+        check, predicted=predicted, measured=measured, not_predicted={"params": "why not"},
+        not_checked={"buffers": "not measurable"},
+    )  # fmt: skip
+    rows = [line.split()[0] for line in format_check(early).splitlines()[5:12]]
+    assert rows == ["params", "optimizer", "master", "total", "buffers", "activations", "total:"]

@@ -457,3 +457,23 @@ def test_check_launch_reads_the_env_it_is_given_and_whether_cuda_is_there(monkey
     # Where torch sees a GPU (faked: this suite runs on CPU), fp16 passes the early check.
     monkeypatch.setattr(resolution, "_cuda_available", lambda: True)
     resolution.check_launch(fp16, {})
+
+
+def test_checkpointing_and_lora_flags_reach_the_resolved_run():
+    """What the run is told to build: --gradient-checkpointing and the LoRA flags as given
+    (alpha, dropout, the target names split at commas and stripped), not dropped."""
+    asked = StrategyConfig(
+        strategy="ddp", gradient_checkpointing=True, lora_r=8, lora_alpha=16.0,
+        lora_dropout=0.1, lora_target_modules="query, value",
+    )  # fmt: skip
+    resolution = resolve(asked, model=SIZES, micro_batch_size=2, env=torchrun_env(2))
+    assert resolution.gradient_checkpointing is True
+    lora = resolution.lora
+    assert (lora.r, lora.alpha, lora.dropout, lora.target_modules) == (
+        8,
+        16.0,
+        0.1,
+        ("query", "value"),
+    )
+    plain = resolve(StrategyConfig(strategy="ddp"), model=SIZES, micro_batch_size=2, env={})
+    assert plain.gradient_checkpointing is False and plain.lora is None

@@ -345,6 +345,15 @@ def _read(tmp_path, text: str) -> tuple[str, dict | None]:
     return str(path), read_ds_config(str(path))
 
 
+def test_a_missing_json_is_refused_naming_the_path(tmp_path):
+    from dpkit.engines.deepspeed.config import read_ds_config
+
+    path = str(tmp_path / "no-such.json")
+    with pytest.raises(UsageError) as refused:
+        read_ds_config(path)
+    assert str(refused.value) == f"deepspeed config {path!r}: no such file"
+
+
 def test_a_key_given_twice_is_refused_naming_both_values(tmp_path):
     path = str(tmp_path / "ds.json")
     with pytest.raises(UsageError) as refused:

@@ -56,6 +56,10 @@ def trained(tmp_path_factory):
         accelerator.backward(model(input_ids=tokens, labels=torch.tensor([0, 1])).loss)
         optimizer.step()
         expected = {n: p.detach().clone() for n, p in model.named_parameters()}
+        moments = {
+            n: {k: v.clone() for k, v in optimizer.optimizer.state[p].items() if k != "step"}
+            for n, p in model.named_parameters()
+        }
         strategy = STRATEGIES["ddp"]
         info = RunInfo(
             strategy="ddp", strategy_source="test", distributed_type="NO", world_size=1,
@@ -73,11 +77,11 @@ def trained(tmp_path_factory):
     finally:
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    return path, expected, out
+    return path, expected, out, moments
 
 
 def test_the_save_is_sharded_and_logged(trained):
-    path, expected, out = trained
+    path, expected, out, _ = trained
     assert (path / "shards" / "__0_0.distcp").is_file() and not (
         path / "model.safetensors"
     ).exists()
@@ -92,7 +96,7 @@ def test_the_save_is_sharded_and_logged(trained):
 
 
 def test_init_from_copies_the_backbone_and_leaves_a_new_head_as_built(trained):
-    path, expected, _ = trained
+    path, expected, _, _ = trained
     fresh = bert(THREE, seed=1)
     head_before = fresh.classifier.weight.detach().clone()
     line = init_from(fresh, path)
@@ -108,7 +112,7 @@ def test_init_from_copies_the_backbone_and_leaves_a_new_head_as_built(trained):
 
 
 def test_init_from_is_refused_with_resume_or_for_no_checkpoint(trained, tmp_path):
-    path, _, _ = trained
+    path, _, _, _ = trained
     with pytest.raises(UsageError, match=r"--init-from=.*: not with --resume='latest'"):
         check_init_from(str(path), "latest")
     with pytest.raises(UsageError, match=r"--init-from=.*: no such checkpoint folder"):
@@ -124,7 +128,7 @@ def test_init_from_is_refused_with_resume_or_for_no_checkpoint(trained, tmp_path
 
 
 def test_a_resume_into_other_shapes_is_refused_from_the_index(trained):
-    path, _, _ = trained
+    path, _, _, _ = trained
     state = verify_checkpoint(path)
     with pytest.raises(UsageError) as refused:
         check_same_model(state, path, model=bert(TWO, hidden=48), model_name="org/tiny-bert")
@@ -136,7 +140,7 @@ def test_a_resume_into_other_shapes_is_refused_from_the_index(trained):
 
 
 def test_consolidate_streams_into_several_files_that_from_pretrained_reads(trained, tmp_path):
-    path, expected, _ = trained
+    path, expected, _, _ = trained
     # The word embeddings are 100 x 32 x 4 = 12,800 bytes; 16 KB files split the model.
     files = stream_to_model_folder(path, tmp_path, max_shard_bytes=16_000)
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
@@ -148,10 +152,65 @@ def test_consolidate_streams_into_several_files_that_from_pretrained_reads(train
 
 
 def test_consolidate_writes_one_file_below_the_limit(trained, tmp_path: Path):
-    path, _, _ = trained
+    path, _, _, _ = trained
     assert stream_to_model_folder(path, tmp_path) == 1
     assert (tmp_path / "model.safetensors").is_file()
     assert not (tmp_path / "model.safetensors.index.json").exists()
+
+
+def consolidate_cli(*args: str) -> int:
+    import argparse
+
+    from dpkit.checkpoints import consolidate
+
+    parser = argparse.ArgumentParser()
+    consolidate.add_arguments(parser)
+    return consolidate.main(parser.parse_args(list(args)))
+
+
+def test_consolidate_with_optimizer_writes_the_full_layout_a_resume_loads(trained, tmp_path):
+    """The sharded checkpoint rewritten as ``--checkpoint-format full`` writes it; a fresh
+    model and AdamW (another seed) loaded from it by the resume's own loader hold the
+    trained weights and the Adam moments of step 1, bit for bit."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    from dpkit.checkpoints.checkpointer import load_checkpoint
+    from dpkit.checkpoints.sharded import is_sharded
+
+    path, expected, _, moments = trained
+    out = tmp_path / "full"
+    assert consolidate_cli(str(path), "--output-dir", str(out), "--with-optimizer") == 0
+    assert not is_sharded(out) and verify_checkpoint(out).step == 1
+    saved = torch.load(out / "optimizer.pt", weights_only=True)
+    assert saved["step"] == 1 and saved["param_group_lrs"] == [1e-2]
+    assert sorted(saved["moments"]) == sorted(expected)  # every parameter trains here
+    accelerator = Accelerator(cpu=True)
+    try:
+        model = bert(TWO, seed=5)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        state = load_checkpoint(STRATEGIES["ddp"].engine, accelerator, model, optimizer, None, out)
+        assert state.step == 1
+        for name, param in model.named_parameters():
+            assert torch.equal(param, expected[name]), name
+            loaded = optimizer.optimizer.state[param]
+            for moment in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(loaded[moment], moments[name][moment]), (name, moment)
+            assert float(loaded["step"]) == 1.0
+        assert optimizer.optimizer.param_groups[0]["lr"] == 1e-2  # the saved lr, not 3e-4
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+
+
+def test_consolidate_with_optimizer_refuses_what_it_would_ignore(trained, tmp_path):
+    path, _, _, _ = trained
+    with pytest.raises(UsageError, match=r"^--max-shard-mb=16.0: not with --with-optimizer"):
+        consolidate_cli(
+            str(path), "--output-dir", str(tmp_path), "--with-optimizer", "--max-shard-mb", "16"
+        )
+    assert not any(tmp_path.iterdir())  # refused before anything was written
 
 
 def test_replicated_tensors_are_split_into_ranges_that_cover_them_once():

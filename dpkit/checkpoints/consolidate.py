@@ -2,9 +2,13 @@
 
 Takes either
 * a dpkit checkpoint (``<run>/checkpoints/step-*``): verified against its manifest,
-  then its model files are copied (they are consolidated already);
+  then its model files are copied (the full layout's are consolidated already) or, from
+  a sharded checkpoint, streamed one tensor at a time into safetensors files;
   a LoRA run's gives peft's adapter folder, or with ``--merge-lora`` the model with
-  the adapters merged into its weights; or
+  the adapters merged into its weights. ``--with-optimizer`` writes the full
+  (single-file) checkpoint layout instead: the model folder plus ``optimizer.pt``
+  (every Adam moment by parameter name), the scheduler, RNG and trainer state, and a
+  manifest, which ``--resume`` reads at any strategy and world size; or
 * a DeepSpeed ZeRO checkpoint (what ``engine.save_checkpoint`` or accelerate's
   ``save_state`` writes under DeepSpeed): DeepSpeed's own ``zero_to_fp32`` merges the
   shards of every rank into fp32 weights, loaded into the architecture of ``--model``.
@@ -60,9 +64,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-shard-mb",
         type=float,
-        default=DEFAULT_MAX_SHARD_BYTES / 1024**2,
         help="a sharded checkpoint's weights go into safetensors files of at most this many "
-        "MiB each (one file is held in memory while written)",
+        f"MiB each (one file is held in memory while written; default "
+        f"{DEFAULT_MAX_SHARD_BYTES // 1024**2})",
+    )
+    parser.add_argument(
+        "--with-optimizer",
+        action="store_true",
+        help="a dpkit checkpoint: write the full checkpoint layout (one model.safetensors, "
+        "optimizer.pt with every Adam moment by parameter name, scheduler, RNG, trainer "
+        "state, manifest; --resume reads it) instead of the model folder alone. Holds the "
+        "weights and moments in memory at once",
     )
     parser.add_argument(
         "--overwrite", action="store_true", help="replace an existing non-empty --output-dir"
@@ -165,6 +177,49 @@ def _lora_model(checkpoint: Path):
     return model
 
 
+def write_full_layout(checkpoint: Path, output_dir: Path) -> int:
+    """A sharded checkpoint rewritten in the full layout (what ``--checkpoint-format
+    full`` saves): ``model.safetensors`` with every weight, ``optimizer.pt`` with every
+    Adam moment by parameter name, the step and the lrs, the run's scheduler, RNG,
+    trainer state and loss scale as saved, and a new manifest. The model's other files
+    (config, tokenizer) are already in ``output_dir``. Read on this one process; the
+    weights, then the moments, are held whole while written. Returns the number of
+    moments written."""
+    import torch
+    from safetensors.torch import save_file
+
+    from dpkit.checkpoints import sharded
+    from dpkit.checkpoints.folder import FORMAT_VERSION, LOSS_SCALE_FILE, write_manifest
+
+    index = sharded.TensorIndex.read(checkpoint)
+    weights = {name: index.weight(checkpoint, name) for name in index.shapes}
+    save_file(weights, str(output_dir / "model.safetensors"), {"format": "pt"})
+    del weights
+    moments = {
+        name: {
+            moment: sharded.read_tensor(
+                checkpoint, sharded.moment_key(name, moment), index.shapes[name], torch.float32
+            )
+            for moment in saved
+        }
+        for name, saved in index.moments.items()
+    }
+    torch.save(
+        {
+            "format_version": FORMAT_VERSION,
+            "step": index.step,
+            "moments": moments,
+            "param_group_lrs": index.param_group_lrs,
+        },
+        output_dir / "optimizer.pt",
+    )
+    for name in ("scheduler.pt", "rng.pt", "trainer_state.json", LOSS_SCALE_FILE):
+        if (checkpoint / name).is_file():
+            shutil.copy2(checkpoint / name, output_dir / name)
+    write_manifest(output_dir)
+    return sum(len(saved) for saved in moments.values())
+
+
 def stream_to_model_folder(
     checkpoint: Path, output_dir: Path, *, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> int:
@@ -213,8 +268,10 @@ def consolidate(
     tag: str | None,
     merge_lora: bool = False,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    with_optimizer: bool = False,
 ) -> str:
-    """Write the model folder; returns a one-line description of what was done."""
+    """Write the model folder (``with_optimizer``: the full checkpoint layout, a dpkit
+    checkpoint only); returns a one-line description of what was done."""
     from dpkit.checkpoints.folder import verify_checkpoint
     from dpkit.checkpoints.resume import LORA_ADAPTER_CONFIG
     from dpkit.checkpoints.sharded import is_sharded
@@ -229,6 +286,17 @@ def consolidate(
                 f"{LORA_ADAPTER_CONFIG}); drop --merge-lora"
             )
         layout = "sharded" if is_sharded(checkpoint) else "full"
+        if with_optimizer and lora:
+            raise UsageError(
+                f"--with-optimizer: checkpoint={str(checkpoint)!r} is a LoRA run's; its "
+                "optimizer state is resumed from the checkpoint itself (--resume)"
+            )
+        if with_optimizer and layout == "full":
+            output_dir.mkdir(parents=True, exist_ok=True)
+            for file in checkpoint.iterdir():  # already that layout: copied as it is
+                if file.is_file():
+                    shutil.copy2(file, output_dir / file.name)
+            return f"{what}, already in the full layout: copied"
         # A LoRA checkpoint's model.safetensors and config.json (every weight by peft's
         # names, for a resume) are not a model folder: the adapter folder, or the merge.
         skipped = _TRAINING_STATE | ({"model.safetensors", "config.json"} if lora else set())
@@ -250,12 +318,23 @@ def consolidate(
             if peft_model is not None:
                 peft_model.save_pretrained(output_dir)
             return f"{what}, LoRA adapters (peft's folder)"
+        if with_optimizer:
+            moments = write_full_layout(checkpoint, output_dir)
+            return (
+                f"{what}, rewritten in the full layout: model.safetensors, optimizer.pt "
+                f"({moments} moments), the run's state and a manifest (--resume reads it)"
+            )
         if layout == "sharded":
             files = stream_to_model_folder(checkpoint, output_dir, max_shard_bytes=max_shard_bytes)
             return f"{what}, streamed from its shards into {files} safetensors file(s)"
         return what
     if merge_lora:
         raise UsageError("--merge-lora: only for a dpkit checkpoint of a LoRA run")
+    if with_optimizer:
+        raise UsageError(
+            "--with-optimizer: only for a dpkit checkpoint (a DeepSpeed checkpoint's "
+            "optimizer state stays in its own layout)"
+        )
 
     tag = _deepspeed_tag(checkpoint, tag)
     if model is None:
@@ -296,15 +375,22 @@ def main(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--output-dir={args.output_dir!r}: not empty; pass --overwrite or choose another"
         )
-    if args.max_shard_mb <= 0:
+    if args.max_shard_mb is not None and args.max_shard_mb <= 0:
         raise UsageError(f"--max-shard-mb={args.max_shard_mb}: must be > 0")
+    if args.max_shard_mb is not None and args.with_optimizer:
+        raise UsageError(
+            f"--max-shard-mb={args.max_shard_mb}: not with --with-optimizer (that layout "
+            "keeps the weights in one model.safetensors)"
+        )
+    max_shard_mb = args.max_shard_mb or DEFAULT_MAX_SHARD_BYTES / 1024**2
     what = consolidate(
         checkpoint,
         output_dir,
         model=args.model,
         tag=args.tag,
         merge_lora=args.merge_lora,
-        max_shard_bytes=int(args.max_shard_mb * 1024**2),
+        max_shard_bytes=int(max_shard_mb * 1024**2),
+        with_optimizer=args.with_optimizer,
     )
     print(f"dpkit consolidate: {what} -> {output_dir} (fp32, safetensors)")
     return 0
