@@ -176,7 +176,8 @@ def main() -> None:
             run.memory.step_done(step)
             if due(step, train_cfg.memory_report_steps):
                 run.memory.log_report(step)
-            if due(step, train_cfg.eval_steps):
+            # The last step's validation is the final one, below: not run twice.
+            if due(step, train_cfg.eval_steps) and step < schedule.total_steps:
                 evaluate(validation, "validation")
             if status.stop or (due(step, train_cfg.save_steps) and step < schedule.total_steps):
                 run.save_checkpoint(model, optimizer, lr_scheduler)
@@ -189,7 +190,7 @@ def main() -> None:
                 raise SystemExit(guard.exit_code)
             if step >= schedule.total_steps:
                 break
-        if not train_cfg.eval_steps:
+        if not train_cfg.eval_steps and position.step < schedule.total_steps:
             evaluate(validation, "validation")
     log.close()
     train_seconds = time.perf_counter() - started

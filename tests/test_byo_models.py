@@ -118,6 +118,7 @@ def test_ddp_and_zero2_train_the_same_losses(launched, kind):
     assert max_rel_diff(ddp, zero2) < DDP_VS_ZERO_RTOL
 
 
+@pytest.mark.subprocess_only
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_plan_reads_the_checkpoints_config(checkpoints, kind):
     folders, _ = checkpoints

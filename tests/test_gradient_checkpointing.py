@@ -18,6 +18,7 @@ from dpkit import models
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.subprocess_only
 def test_a_model_without_checkpointing_support_is_refused_by_the_recipe(tmp_path):
     """transformers' CTRL declares no gradient checkpointing (supports_gradient_checkpointing
     is False in its modeling file): the LM recipe says so in one line, exit 2, writes nothing."""

@@ -84,6 +84,12 @@ def test_launch_form_runs_what_it_says(launched, name):
         assert record["step_time_s"] > 0 and record["step_cpu_s"] > 0, record
         assert record["samples_per_rank"] == 16 and 0 < record["tokens_per_rank"] <= 16 * 64
     assert result.final("validation")["samples"] == 101
+    # The 6 steps end inside the first epoch: its end-of-epoch validation would be of the
+    # final weights, which the final evaluation scores, once (validation, then test).
+    assert [(m["split"], m["step"], m.get("final")) for m in result.metrics] == [
+        ("validation", 6, True),
+        ("test", 6, True),
+    ]
     assert (result.output_dir / "model" / "model.safetensors").is_file()
     assert (result.output_dir / "model" / "tokenizer.json").is_file()
     assert not (result.output_dir / "checkpoints").exists()  # --no-save-checkpoints

@@ -394,6 +394,7 @@ def _world_of_one(
 PARAM_BYTES = 4.0 * (64 * 256 + 256 + 256 * 4 + 4)
 
 
+@pytest.mark.subprocess_only
 @pytest.mark.parametrize("bucket_view", [True, False])
 def test_ddp_world_of_one_buckets_are_the_grads_only_with_bucket_view(tmp_path, bucket_view):
     data = _world_of_one(tmp_path, "ddp", bucket_view)
@@ -406,6 +407,7 @@ def test_ddp_world_of_one_buckets_are_the_grads_only_with_bucket_view(tmp_path, 
     assert abs(data["error_pct"]["total"]) < 0.1
 
 
+@pytest.mark.subprocess_only
 @pytest.mark.parametrize("strategy", ["zero1", "zero2"])
 def test_deepspeed_world_of_one_finds_zero_partitions(tmp_path, strategy):
     data = _world_of_one(tmp_path, strategy)
@@ -430,6 +432,7 @@ def test_deepspeed_world_of_one_finds_zero_partitions(tmp_path, strategy):
         assert abs(data["error_pct"][category]) < 0.1
 
 
+@pytest.mark.subprocess_only
 def test_a_deepspeed_without_a_probed_method_marks_gradients_unmeasured(tmp_path):
     """The probes patch DeepSpeed internals by name; under a DeepSpeed that lacks one (another
     version), the run says so in one line and the report marks gradients unmeasured instead

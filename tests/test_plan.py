@@ -736,6 +736,7 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
         (["--against", "ds_configs", "--model", "gpt2"], "--against", "drop --model"),
     ],
 )  # fmt: skip
+@pytest.mark.subprocess_only
 def test_bad_input_is_one_line_and_exit_code_2(args, field, value):
     result = run_plan(*args)
     assert result.returncode == 2, result.stderr
@@ -746,6 +747,7 @@ def test_bad_input_is_one_line_and_exit_code_2(args, field, value):
     assert result.stdout == ""
 
 
+@pytest.mark.subprocess_only
 def test_cli_table_names_every_strategy_and_the_recommendation():
     result = run_plan("--model", "gpt2")
     assert result.returncode == 0, result.stderr
@@ -756,6 +758,7 @@ def test_cli_table_names_every_strategy_and_the_recommendation():
     assert "not counted:" in result.stdout
 
 
+@pytest.mark.subprocess_only
 def test_cli_json(specs):
     result = run_plan("--model", "gpt2-xl", "--gpu-memory", "24GB", "--json")
     assert result.returncode == 0, result.stderr
@@ -804,6 +807,7 @@ def test_cli_json(specs):
     assert data["recommendation"]["largest_micro_batch"] == chosen["largest_micro_batch"]
 
 
+@pytest.mark.subprocess_only
 def test_importing_the_command_does_not_import_torch():
     code = "import sys, dpkit.plan; print('torch' in sys.modules, 'deepspeed' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -444,6 +444,7 @@ def test_a_failed_trial_is_recorded_and_sigterm_stops_after_the_running_one(tmp_
         ),
     ],
 )
+@pytest.mark.subprocess_only
 def test_bad_input_is_one_line_and_exit_2_before_any_launch(tmp_path, flags, recipe_args, message):
     out = tmp_path / "tune"
     result = harness.run(_tune_cmd(out, *flags, recipe_args=recipe_args), out, timeout=300)

@@ -189,7 +189,8 @@ def write_full_layout(checkpoint: Path, output_dir: Path) -> int:
     from safetensors.torch import save_file
 
     from dpkit.checkpoints import sharded
-    from dpkit.checkpoints.folder import FORMAT_VERSION, LOSS_SCALE_FILE, write_manifest
+    from dpkit.checkpoints.folder import LOSS_SCALE_FILE, write_manifest
+    from dpkit.checkpoints.state import optimizer_file_state
 
     index = sharded.TensorIndex.read(checkpoint)
     weights = {name: index.weight(checkpoint, name) for name in index.shapes}
@@ -205,12 +206,7 @@ def write_full_layout(checkpoint: Path, output_dir: Path) -> int:
         for name, saved in index.moments.items()
     }
     torch.save(
-        {
-            "format_version": FORMAT_VERSION,
-            "step": index.step,
-            "moments": moments,
-            "param_group_lrs": index.param_group_lrs,
-        },
+        optimizer_file_state(index.step, moments, index.param_group_lrs),
         output_dir / "optimizer.pt",
     )
     for name in ("scheduler.pt", "rng.pt", "trainer_state.json", LOSS_SCALE_FILE):
@@ -291,17 +287,14 @@ def consolidate(
                 f"--with-optimizer: checkpoint={str(checkpoint)!r} is a LoRA run's; its "
                 "optimizer state is resumed from the checkpoint itself (--resume)"
             )
-        if with_optimizer and layout == "full":
-            output_dir.mkdir(parents=True, exist_ok=True)
-            for file in checkpoint.iterdir():  # already that layout: copied as it is
-                if file.is_file():
-                    shutil.copy2(file, output_dir / file.name)
-            return f"{what}, already in the full layout: copied"
+        already_full = with_optimizer and layout == "full"  # copied as it is
         # A LoRA checkpoint's model.safetensors and config.json (every weight by peft's
         # names, for a resume) are not a model folder: the adapter folder, or the merge.
         skipped = _TRAINING_STATE | ({"model.safetensors", "config.json"} if lora else set())
         if merge_lora:
             skipped |= {LORA_ADAPTER_CONFIG, "adapter_model.safetensors", "README.md"}
+        if already_full:
+            skipped = set()
         # A sharded checkpoint has no adapter weights file: peft writes the folder.
         peft_model = (
             _lora_model(checkpoint) if merge_lora or (lora and layout == "sharded") else None
@@ -310,6 +303,8 @@ def consolidate(
         for file in checkpoint.iterdir():
             if file.is_file() and file.name not in skipped:
                 shutil.copy2(file, output_dir / file.name)
+        if already_full:
+            return f"{what}, already in the full layout: copied"
         if merge_lora:
             merged = peft_model.merge_and_unload()
             merged.save_pretrained(output_dir, safe_serialization=True)

@@ -114,11 +114,20 @@ def full_optimizer_state(engine: Any, accelerator: Any, model: Any, optimizer: A
     moments = engine.full_moments(accelerator, module, optimizer)
     if not accelerator.is_main_process:
         return None
+    return optimizer_file_state(
+        optimizer_step(optimizer), moments or {}, [float(g["lr"]) for g in torch_opt.param_groups]
+    )
+
+
+def optimizer_file_state(step: int, moments: dict, param_group_lrs: list[float]) -> dict:
+    """What the full layout's ``optimizer.pt`` holds (a save and ``dpkit consolidate
+    --with-optimizer`` both write it): Adam moments by parameter name at full size,
+    the optimizer's step and each parameter group's lr."""
     return {
         "format_version": FORMAT_VERSION,
-        "step": optimizer_step(optimizer),
-        "moments": moments or {},
-        "param_group_lrs": [float(g["lr"]) for g in torch_opt.param_groups],
+        "step": step,
+        "moments": moments,
+        "param_group_lrs": param_group_lrs,
     }
 
 

@@ -12,8 +12,10 @@ importing this module stays cheap.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dpkit.errors import UsageError
@@ -493,10 +495,42 @@ def trace_profile(
     mixed precision the model is traced twice: with 16-bit weights (DeepSpeed, FSDP2),
     and under autocast over fp32 weights (DDP: ``under_autocast``).
     """
-    import torch
-
     if device not in KERNEL_DEVICES:
         raise UsageError(f"device={device!r}: not one of {', '.join(KERNEL_DEVICES)}")
+    return _traced(_TraceKey.of(spec, seq_len, precision, checkpointing, attention, device))
+
+
+@dataclass(frozen=True)
+class _TraceKey:
+    """What a trace depends on: the model's config, head and adapters, and the settings.
+    The spec rides along uncompared (its config is not hashable)."""
+
+    model: str
+    seq_len: int
+    precision: str
+    checkpointing: bool
+    attention: str
+    device: str
+    spec: ModelSpec = field(compare=False)
+
+    @classmethod
+    def of(cls, spec: ModelSpec, seq_len, precision, checkpointing, attention, device):
+        model = json.dumps(
+            [spec.config.to_json_string(use_diff=False), spec.task, spec.lora],
+            sort_keys=True,
+            default=str,
+        )
+        return cls(model, seq_len, precision, checkpointing, attention, device, spec)
+
+
+# A trace takes seconds (a GPT-2 medium's six: 3 s), and one process asks for the same
+# one again: tune per candidate, plan per memory size, a test per assertion.
+@functools.lru_cache(maxsize=16)
+def _traced(key: _TraceKey) -> ActivationProfile:
+    import torch
+
+    spec, seq_len, checkpointing, device = key.spec, key.seq_len, key.checkpointing, key.device
+    precision, attention = key.precision, key.attention
     model = _trace_model(spec, attention)
     if precision == "fp32":
         return _profile_from_traces(model, seq_len, checkpointing, device, None)

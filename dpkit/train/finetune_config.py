@@ -187,9 +187,14 @@ class TrainConfig:
     logging_steps: int = field(default=10, metadata={"help": "Log every N optimizer steps."})
     """One log line every N optimizer steps (main process)."""
     eval_steps: int = field(
-        default=0, metadata={"help": "Evaluate every N steps; 0 = at the end of each epoch."}
+        default=0,
+        metadata={
+            "help": "Evaluate every N steps; 0 = at the end of each epoch. The last is the "
+            "final evaluation, after training."
+        },
     )
-    """Validation cadence in optimizer steps; 0 evaluates at each epoch end."""
+    """Validation cadence in optimizer steps; 0 evaluates at each epoch end. The end of
+    training is not evaluated twice: the final evaluation (validation, then test) covers it."""
     report_to: str = field(
         default="none",
         metadata={"help": "Tracker for curves: none or tensorboard.", "choices": REPORT_TO_CHOICES},
