@@ -474,3 +474,103 @@ def test_the_table_shows_every_row_and_note_a_checkpointed_run_can_have():
     )  # fmt: skip
     rows = [line.split()[0] for line in format_check(early).splitlines()[5:12]]
     assert rows == ["params", "optimizer", "master", "total", "buffers", "activations", "total:"]
+
+
+# --- the run's own inputs, read back from its run_config.json ----------------------------------
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the embedded model: 6 layers, hidden 384
+
+
+def test_a_finetune_runs_config_gives_its_model_dropout_batch_length_and_adapters():
+    from dpkit.plan.check import recipe_model
+
+    config = {
+        "ModelConfig": {"model": MINILM, "dropout": 0.0, "max_seq_length": 64},
+        "TrainConfig": {"micro_batch_size": 16},
+        "StrategyConfig": {"lora_r": 8, "lora_target_modules": "query, value"},
+    }
+    name, spec, micro_batch, seq_len = recipe_model(config, "run_config.json")
+    assert (name, micro_batch, seq_len) == (MINILM, 16, 64)
+    assert spec.task.endswith("ForSequenceClassification")
+    # --dropout 0 reached every dropout probability of the model the activations trace.
+    dropouts = {k: v for k, v in spec.config.to_dict().items() if "dropout" in k}
+    assert dropouts and all(v in (0.0, None) for v in dropouts.values()), dropouts
+    assert spec.config.hidden_dropout_prob == 0.0 == spec.config.attention_probs_dropout_prob
+    assert spec.config.layer_norm_eps == 1e-12  # a float, but no dropout: left as it is
+    # LoRA r=8 on query and value (alpha 2r by default): A (8 x 384) and B (384 x 8) per
+    # projection, 2 projections x 6 layers = 73,728 adapter parameters, trained with the
+    # classifier head (384 x 2 + 2), which peft copies to train; frozen: the whole
+    # classifier as loaded, 22,713,986 parameters (tests/test_memory_timeline_multiprocess.py
+    # counts them), the head's original included.
+    assert spec.lora == {
+        "r": 8,
+        "alpha": 16.0,
+        "dropout": 0.0,
+        "target_modules": ["query", "value"],
+    }
+    assert spec.num_params == 2 * 8 * 384 * 2 * 6 + 384 * 2 + 2
+    assert spec.frozen_params == 22_713_986
+
+
+def test_a_finetune_config_without_dropout_or_length_keeps_the_models_and_the_default():
+    """A run recorded before max_seq_length was: the recipe's default 128 (MiniLM allows
+    512 positions); no --dropout: the checkpoint's own 0.1; no LoRA: everything trains."""
+    from dpkit.plan.check import recipe_model
+
+    config = {"ModelConfig": {"model": MINILM}, "TrainConfig": {"micro_batch_size": 8}}
+    name, spec, micro_batch, seq_len = recipe_model(config, "run_config.json")
+    assert (micro_batch, seq_len) == (8, 128)
+    assert spec.config.hidden_dropout_prob == 0.1  # all-MiniLM-L6-v2's config.json
+    assert spec.lora is None and spec.frozen_params == 0
+
+
+def test_an_lm_runs_config_gives_its_workload_and_ignores_unknown_fields():
+    from dpkit.plan.check import recipe_model
+
+    config = {
+        "LMWorkload": {"size": "tiny", "micro_batch_size": 4, "seq_len": 32, "from_a_newer": 1},
+        "StrategyConfig": {"lora_r": 4, "lora_alpha": 4},
+    }
+    name, spec, micro_batch, seq_len = recipe_model(config, "run_config.json")
+    assert (name, micro_batch, seq_len) == ("train_lm --size tiny", 4, 32)
+    assert spec.name == "train_lm --size tiny"
+    assert spec.source == "recipe" and spec.lora["r"] == 4 and spec.lora["alpha"] == 4.0
+    with pytest.raises(UsageError) as err:
+        recipe_model({"TrainConfig": {}}, "the/run_config.json")
+    assert (
+        str(err.value) == "the/run_config.json: not from recipes/finetune.py or recipes/train_lm.py"
+    )
+
+
+def test_the_peak_is_compared_only_where_every_rank_reports_a_device_high_water():
+    """A GPU report's allocator high-water per rank: the plan's total less its reserve
+    (the CUDA context, which the allocator does not count) against the largest rank's."""
+    from dpkit.plan.check import _peak
+    from dpkit.plan.recommend import make_plan
+
+    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
+    row = make_plan(plan_inputs.PlanInputs(model=spec, gpu_memory=80 * 10**9)).row("ddp")
+    gpu = {"ranks": [{"peak": {"max_allocated": 3.0e9}}, {"peak": {"max_allocated": 5.0e9}}]}
+    assert _peak(gpu, row) == (row.total - row.reserve, 5.0e9, "")
+    assert row.reserve > 0 and row.total - row.reserve < row.total
+    cpu = {"ranks": [{"peak": {"max_allocated": 3.0e9}}, {"peak": {"rss_high_water": 1e9}}]}
+    predicted, measured, why = _peak(cpu, row)
+    assert (predicted, measured) == (None, None)
+    assert why == (
+        "not predicted on CPU: the run's peak is the process RSS high-water, which also "
+        "holds the interpreter, libraries and allocator slack"
+    )
+    assert _peak({"ranks": [{}]}, row)[:2] == (None, None)
+    assert _peak({"ranks": []}, row)[:2] == (None, None)
+
+
+def test_a_report_without_batch_shapes_plans_the_runs_longest_batch_and_says_so():
+    from dpkit.plan.check import _measured_batch
+
+    report = {"ranks": [{"rank": 0, "activations": 2.0e6}, {"rank": 1, "activations": None}]}
+    assert _measured_batch(report, 16, 64) == (
+        16,
+        64,
+        "micro-batch 16 x 64 tokens: the run's longest allowed (the report records no batch "
+        "shapes), a worst case",
+    )
