@@ -490,7 +490,17 @@ def test_deepspeed_config_leaves_every_auto_the_trainer_fills():
         ),
         (
             {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}},
-            "offload_optimizer.device='nvme': DeepSpeed offloads to NVMe only under ZeRO-3",
+            "deepspeed config '<dict>': zero_optimization.offload_optimizer.device='nvme': "
+            "DeepSpeed offloads to NVMe only under ZeRO-3",
+        ),
+        (
+            {
+                "zero_optimization": {"stage": 2},
+                "steps_per_print": "auto",
+                "wall_clock_breakdown": "auto",
+            },
+            "deepspeed config '<dict>': steps_per_print, wall_clock_breakdown=\"auto\": "
+            "neither dpkit nor the Trainer fills it",
         ),
         (
             {"zero_optimization": {"stage": 2}, "train_batch_szie": 8},
