@@ -290,11 +290,13 @@ def consolidate(
         already_full = with_optimizer and layout == "full"  # copied as it is
         # A LoRA checkpoint's model.safetensors and config.json (every weight by peft's
         # names, for a resume) are not a model folder: the adapter folder, or the merge.
-        skipped = _TRAINING_STATE | ({"model.safetensors", "config.json"} if lora else set())
+        skipped = (
+            set()
+            if already_full
+            else _TRAINING_STATE | ({"model.safetensors", "config.json"} if lora else set())
+        )
         if merge_lora:
             skipped |= {LORA_ADAPTER_CONFIG, "adapter_model.safetensors", "README.md"}
-        if already_full:
-            skipped = set()
         # A sharded checkpoint has no adapter weights file: peft writes the folder.
         peft_model = (
             _lora_model(checkpoint) if merge_lora or (lora and layout == "sharded") else None

@@ -3,7 +3,8 @@
 scikit-learn's ``accuracy_score`` and ``f1_score`` are what the ``evaluate`` metric
 modules shipped with dpkit (``dpkit/metrics``, for Trainer scripts) compute too; called
 directly, a run does not import ``evaluate``, whose package import pulls in
-transformers' pipelines: about 3.4 s of every rank's start-up on a CPU core.
+transformers' pipelines (3.4 s on a CPU core after transformers, measured alone; a
+2-process launch of the recipe's short test run starts about 1 s sooner without it).
 ``gather_for_metrics`` drops the samples the last uneven batch duplicates across
 ranks, so 1 and N processes count every sample once.
 """
