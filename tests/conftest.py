@@ -70,6 +70,60 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: seconds.get(item.nodeid, float("inf")))
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``make mutate``: warm the libraries up in the session every mutant forks from.
+
+    mutmut's fork server collects the tests once (``--collect-only``) and forks a process
+    per mutant from there. What the tests then import or build for the first time, each
+    mutant's process does again: building and running the first transformers model on
+    the meta device takes 1.6 s (torch's meta kernels and dynamo's wrappers load on first
+    use), peft 1.6 s more. Done here once, every fork inherits it. Only torch,
+    transformers and their kin run here, never dpkit: a result dpkit caches (an
+    activation trace) must come from the mutant under test.
+    """
+    if "mutmut" in sys.modules and session.config.option.collectonly:
+        warm_up_libraries()
+
+
+def warm_up_libraries() -> None:
+    """Import what the fast tests import lazily, and run one forward with a loss of each
+    model family they build (GPT-2, Llama, a BERT classifier), all on the meta device:
+    a CPU kernel here would start the OpenMP threads, which a forked process inherits
+    dead (its first parallel CPU op hangs)."""
+    import matplotlib.pyplot  # noqa: F401  (the memory timeline)
+    import peft  # noqa: F401
+    import sklearn.metrics  # noqa: F401
+    import torch
+    import transformers.trainer  # noqa: F401
+    from transformers import (
+        BertConfig,
+        BertForSequenceClassification,
+        GPT2Config,
+        GPT2LMHeadModel,
+        LlamaConfig,
+        LlamaForCausalLM,
+    )
+
+    tiny = {"vocab_size": 16, "bos_token_id": 0, "eos_token_id": 0}
+    configs = [
+        (GPT2LMHeadModel, GPT2Config(n_layer=1, n_embd=8, n_head=2, n_positions=8, **tiny)),
+        (LlamaForCausalLM, LlamaConfig(
+            hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+            **tiny,
+        )),
+        (BertForSequenceClassification, BertConfig(
+            hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+            vocab_size=16,
+        )),
+    ]  # fmt: skip
+    with torch.device("meta"):
+        ids = torch.zeros((1, 4), dtype=torch.long)
+        for model_class, config in configs:
+            model = model_class(config)
+            labels = ids[:, 0] if model_class is BertForSequenceClassification else ids
+            model(input_ids=ids, labels=labels)
+
+
 def hide_gpus(config: pytest.Config) -> None:
     """Hide the GPUs from the CPU suite, unless the run selects only ``gpu`` tests.
 

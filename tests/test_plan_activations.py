@@ -134,6 +134,16 @@ def test_a_model_the_meta_device_cannot_run_falls_back_to_the_formula(monkeypatc
     assert (profile.at_one, profile.fixed, profile.per_sample) == (
         formula.at_one, formula.fixed, formula.per_sample,
     )  # fmt: skip
+    # The fallback keeps the run's checkpointing and attention: test_formula_profile_of_a_
+    # small_gpt2's checkpointed figures, eager scores included.
+    sh = 8 * 16
+    layer = 11 * sh + 2 * 64 * 5 + (3 * sh + 4 * 8 * 64) + 4 * sh
+    checkpointed = {
+        "outside_layers": 5 * sh + 4 * 8 * 50, "layer_inputs": 3 * 2 * sh, "one_layer": layer,
+        "logits_peak": 4000,
+    }  # fmt: skip
+    fallback = activations.activation_profile(spec, 8, "bf16", True, "eager")
+    assert fallback.method == "formula" and fallback.per_sample == checkpointed
     # ...unless the config lacks what the formula needs: one line, the model named.
     from transformers import PretrainedConfig
 
@@ -142,16 +152,30 @@ def test_a_model_the_meta_device_cannot_run_falls_back_to_the_formula(monkeypatc
     )
     with pytest.raises(UsageError) as err:
         activations.activation_profile(shapeless, 8, "bf16", False, "eager")
-    assert str(err.value).startswith(
+    # (The formula's error is Python's, multiplying the missing layer count.)
+    assert str(err.value) == (
         "--model='odd': cannot estimate activations (meta-device trace failed (this model "
-        "does not run on meta); the formula lacks shapes: "
+        "does not run on meta); the formula lacks shapes: unsupported operand type(s) for "
+        "*: 'int' and 'NoneType'); --params counts model states only"
     )
-    assert str(err.value).endswith("); --params counts model states only")
-    # Asked for the formula, the trace is not tried.
-    asked = activations.activation_profile(spec, 8, "bf16", False, "eager", method="formula")
+    # Asked for the formula, the trace is not tried; checkpointing and attention still count.
+    asked = activations.activation_profile(spec, 8, "bf16", True, "eager", method="formula")
     assert asked.method == "formula" and asked.note == ""
+    assert asked.per_sample == checkpointed
+    fused = activations.activation_profile(spec, 8, "bf16", True, "sdpa", method="formula")
+    assert fused.per_sample["one_layer"] == layer - 2 * 64 * 5  # no eager scores
     count = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
     assert activations.activation_profile(count, 8, "bf16", False) is None
+
+
+def test_the_trace_is_of_the_attention_asked_for():
+    """Traced, eager attention keeps the s x s scores a fused kernel recomputes in backward:
+    more bytes in the layers, the same outside them."""
+    spec = _gpt2_spec()
+    eager = activations.activation_profile(spec, 8, "bf16", False, "eager").per_sample
+    fused = activations.activation_profile(spec, 8, "bf16", False, "sdpa").per_sample
+    assert eager["layers"] > fused["layers"]
+    assert eager["outside_layers"] == fused["outside_layers"]
 
 
 def test_the_trace_splits_layers_outside_and_the_logits_peak():
@@ -220,3 +244,148 @@ def test_formula_profile_reads_each_family_of_config_names(names, dropout):
     assert profile.per_sample == {
         "outside_layers": 4 * sh + sh * embedding, "layers": 3 * layer, "logits_peak": 0.0,
     }  # fmt: skip
+
+
+def test_an_encoder_decoders_blocks_are_all_layers():
+    """T5's blocks sit in two ModuleLists, the encoder's (2) and the decoder's (3): the
+    classes transformers never splits (``_no_split_modules``) find all five, where the
+    largest ModuleList alone would miss the encoder's."""
+    import torch
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        d_model=16, d_ff=32, num_layers=2, num_decoder_layers=3, num_heads=2, d_kv=8,
+        vocab_size=40,
+    )  # fmt: skip
+    with torch.device("meta"):
+        model = T5ForConditionalGeneration(config)
+    blocks = activations._repeated_layers(model)
+    assert len(blocks) == 5
+    assert {id(b) for b in blocks} == {id(b) for b in (*model.encoder.block, *model.decoder.block)}
+
+
+@pytest.mark.parametrize(
+    ("problem_type", "num_labels"),
+    [(None, 3), ("multi_label_classification", 3), (None, 1)],  # 1 label: regression
+)
+def test_a_classifiers_loss_is_traced_with_the_labels_its_head_takes(problem_type, num_labels):
+    """A sequence classifier's loss is part of its forward: class ids, float multi-hot
+    targets or, with one label, float regression targets (each the wrong kind fails the
+    loss). Its logits peak is per sample num_labels x (2 + 4 + 4) bytes in bf16, as an
+    LM's is per token: the 16-bit logits and cross-entropy's two fp32 gradients."""
+    from transformers import BertConfig
+
+    config = BertConfig(
+        hidden_size=16, num_hidden_layers=2, num_attention_heads=2, intermediate_size=32,
+        vocab_size=40, max_position_embeddings=32, num_labels=num_labels,
+        problem_type=problem_type,
+    )  # fmt: skip
+    spec = plan_inputs.ModelSpec(
+        name="bert-tiny", source="path", num_params=1, config=config,
+        task="sequence_classification",
+    )  # fmt: skip
+    profile = activations.trace_profile(spec, 8, "bf16", False, "sdpa")
+    assert profile.at_one["logits_peak"] == num_labels * (2 + 4 + 4)
+    assert profile.per_sample["logits_peak"] == num_labels * (2 + 4 + 4)
+
+
+def test_without_blocks_named_the_largest_module_list_is_the_layers():
+    """A model that names no unsplittable blocks (no ``_no_split_modules``, or none of its
+    classes): the children of its largest ModuleList by parameters; none without one."""
+    import torch
+
+    class Plain(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.small = torch.nn.ModuleList([torch.nn.Linear(2, 2) for _ in range(5)])
+            self.large = torch.nn.ModuleList([torch.nn.Linear(8, 8) for _ in range(3)])
+
+    model = Plain()
+    assert activations._repeated_layers(model) == list(model.large)
+    model._no_split_modules = ["NotHere"]
+    assert activations._repeated_layers(model) == list(model.large)
+    assert activations._repeated_layers(torch.nn.Linear(2, 2)) == []
+
+
+def _saved_under(mode, call) -> list[tuple[tuple[int, ...], str]]:
+    """The (shape, dtype) of each tensor autograd saves while ``call`` runs under ``mode``."""
+    import torch
+
+    saved = []
+
+    def pack(tensor):
+        saved.append((tuple(tensor.shape), str(tensor.dtype).removeprefix("torch.")))
+        return tensor
+
+    with mode, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        call()
+    return saved
+
+
+def test_the_kernels_a_trace_imitates_attention_and_dropout():
+    """What ``_kernel_mode`` makes meta save, op by op, on (batch 1, 2 heads, 8 rows, 4)
+    queries. A fused SDPA kernel keeps q, k, v, its output and an fp32 log-sum-exp per
+    row, never the 8 x 8 scores; a CPU with attention dropout, given by name or by
+    position, runs the math kernel, which keeps them. A GPU's dropout keeps a 1-byte
+    mask."""
+    import torch
+    import torch.nn.functional as F
+
+    q = torch.zeros((1, 2, 8, 4), device="meta", requires_grad=True)
+    fused = [((1, 2, 8, 4), "float32")] * 4 + [((1, 2, 8), "float32")]
+
+    def attention(*args, **kwargs):
+        return lambda: F.scaled_dot_product_attention(q, q, q, *args, **kwargs)
+
+    cpu, gpu = activations._kernel_mode("cpu"), activations._kernel_mode("cuda")
+    assert _saved_under(gpu, attention()) == fused
+    assert _saved_under(gpu, attention(None, 0.1)) == fused
+    assert _saved_under(cpu, attention()) == fused
+    assert _saved_under(cpu, attention(None)) == fused
+    assert _saved_under(cpu, attention(None, 0.0)) == fused
+    math_kernel = _saved_under(cpu, attention(dropout_p=0.1))
+    assert ((1, 2, 8, 8), "float32") in math_kernel
+    assert _saved_under(cpu, attention(None, 0.1)) == math_kernel
+    x = torch.zeros((2, 3), device="meta", requires_grad=True) * 1  # not a leaf
+    assert _saved_under(gpu, lambda: F.dropout(x, 0.1)) == [((2, 3), "bool")]
+    assert _saved_under(gpu, lambda: F.dropout(x, 0.1, False)) == []  # evaluation
+
+
+def test_the_kernels_a_trace_imitates_autocast():
+    """Autocast over fp32 weights, as ``torch.autocast`` does it: a matmul's inputs in 16
+    bits, by position or by keyword, each weight cast once per forward (both matmuls save
+    the one copy); on a GPU softmax and norms in fp32, on a CPU in their input's dtype;
+    an op on neither list (tanh) left in its input's dtype; losses in fp32 on both."""
+    import torch
+    import torch.nn.functional as F
+
+    weight = torch.zeros((3, 3), device="meta", requires_grad=True)  # a leaf: a weight
+    x = torch.zeros((2, 3), device="meta", requires_grad=True) * 1  # an activation
+    bf16 = torch.bfloat16
+    gpu, cpu = activations._kernel_mode("cuda", bf16), activations._kernel_mode("cpu", bf16)
+    with gpu:
+        by_position, by_keyword = F.linear(x, weight), F.linear(input=x, weight=weight)
+        twice = F.linear(F.linear(x, weight), weight)
+        assert by_position.dtype == by_keyword.dtype == twice.dtype == bf16
+        assert F.softmax(x.to(bf16), -1).dtype == torch.float32
+        assert F.layer_norm(x.to(bf16), (3,)).dtype == torch.float32
+        assert torch.tanh(x.to(bf16)).dtype == bf16
+    assert len(gpu.weight_copies) == 1
+    target = torch.zeros((2,), dtype=torch.long, device="meta")
+    with cpu:
+        assert F.softmax(x.to(bf16), -1).dtype == bf16
+        assert F.cross_entropy(x.to(bf16), target).dtype == torch.float32
+    with activations._kernel_mode("cuda", bf16):
+        assert F.cross_entropy(x.to(bf16), target).dtype == torch.float32
+    storages = []
+    with (
+        activations._kernel_mode("cuda", bf16),
+        torch.autograd.graph.saved_tensors_hooks(
+            lambda t: storages.append((t.untyped_storage()._cdata, t.dtype)) or t, lambda t: t
+        ),
+    ):
+        F.linear(F.linear(x, weight), weight)
+    weight_copies = {key for key, dtype in storages if dtype == bf16}
+    activations_saved = len(storages) - sum(1 for _, dtype in storages if dtype == bf16)
+    assert activations_saved == 0  # every matmul input, the activation too, in 16 bits
+    assert len(storages) == 4 and len(weight_copies) == 3  # x, 1 weight copy, 1st output

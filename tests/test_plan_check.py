@@ -574,3 +574,127 @@ def test_a_report_without_batch_shapes_plans_the_runs_longest_batch_and_says_so(
         "micro-batch 16 x 64 tokens: the run's longest allowed (the report records no batch "
         "shapes), a worst case",
     )
+
+
+# --- what check_run passes on to the plan, and what it reads back -------------------------------
+
+
+def _finetune_run(
+    tmp_path: Path, name: str, strategy: str = "ddp", peaks: tuple = (), **report_extra
+) -> PlanCheck:
+    """A finetune run of the tiny BERT (dropout 0.1, 16 tokens, micro-batch 2) whose two
+    ranks counted 1,000 and 3,000 activation bytes and 5 and 7 buffer bytes (and, given
+    ``peaks``, reported those allocator high-waters)."""
+    folder, _ = _tiny_bert_folder(tmp_path / "bert")
+    config = {
+        "ModelConfig": {"model": str(folder), "max_seq_length": 16},
+        "TrainConfig": {"micro_batch_size": 2},
+    }
+    report = _recipe_report(strategy) | {"world_size": 2}
+    report["ranks"] = _ranks({"params": 1.0}, {"params": 1.0})
+    for rank, (counted, buffers) in enumerate([(1000.0, 5.0), (3000.0, 7.0)]):
+        report["ranks"][rank] |= {"activations": counted, "buffers_total": buffers}
+    for rank, peak in enumerate(peaks):
+        report["ranks"][rank]["peak"] = {"max_allocated": peak}
+    report |= report_extra
+    return check_run(_write(tmp_path / name, report, run_config=config))
+
+
+def test_the_activations_are_planned_with_the_runs_checkpointing_and_device(tmp_path):
+    """The run's recorded checkpointing and device reach the trace: with checkpointing the
+    plan keeps one recomputed layer (and names it); without the record, none. On a GPU
+    the dropout masks are 1 byte, on a CPU (and a report without a device, older runs)
+    4 bytes in fp32: the CPU's prediction is the larger. Measured: the largest rank's
+    counts, 3,000 activation bytes and 7 buffer bytes."""
+    plain = _finetune_run(tmp_path, "plain")
+    checkpointed = _finetune_run(tmp_path, "checkpointed", gradient_checkpointing=True)
+    on_gpu = _finetune_run(tmp_path, "gpu", peaks=(100.0, 200.0), device="cuda:0")
+    no_device = _finetune_run(tmp_path, "no-device", device="unknown")
+    # No batch shapes in these reports: the plan says which batch it assumed.
+    assert plain.planned_batch == (
+        "micro-batch 2 x 16 tokens: the run's longest allowed (the report records no batch "
+        "shapes), a worst case"
+    )
+    assert plain.gradient_checkpointing is False and plain.recomputed_layer == 0
+    assert checkpointed.gradient_checkpointing is True and checkpointed.recomputed_layer > 0
+    assert checkpointed.predicted["activations"] < plain.predicted["activations"]
+    assert on_gpu.predicted["activations"] < plain.predicted["activations"]
+    assert no_device.predicted["activations"] == plain.predicted["activations"]
+    # The GPU's allocator peak, the largest rank's, against the plan's whole per-rank
+    # figure (model states, activations and more); a CPU's is not compared.
+    assert on_gpu.measured["peak"] == 200.0 and "peak" not in on_gpu.not_predicted
+    peak_floor = on_gpu.predicted["total"] + on_gpu.predicted["activations"]
+    assert on_gpu.predicted["peak"] > peak_floor
+    assert plain.not_predicted["peak"].startswith("not predicted on CPU")
+    assert "peak" not in plain.predicted and "peak" not in plain.measured
+    for check in (plain, checkpointed, on_gpu):
+        assert check.measured["activations"] == 3000.0
+        assert check.measured["buffers"] == 7.0
+        assert check.activation_method == "trace"
+        # Micro-batch 2 x 2 labels x (the fp32 logits and cross-entropy's 2 fp32 gradients).
+        assert check.logits_peak == 2 * 2 * (4 + 4 + 4)
+        assert "activations" not in check.not_predicted
+
+
+def test_what_check_run_cannot_plan_or_measure_is_said_per_category(tmp_path):
+    """No activation counts (count_activations off), no buffers recorded, a model without
+    shapes (a Trainer's bare Linear), and FSDP2's buffers that live between the probes."""
+    report = _recipe_report("ddp") | {"world_size": 2, "ranks": _ranks({"params": 1.0})}
+    folder, _ = _tiny_bert_folder(tmp_path / "bert")
+    config = {"ModelConfig": {"model": str(folder)}, "TrainConfig": {"micro_batch_size": 2}}
+    uncounted = check_run(_write(tmp_path / "uncounted", report, run_config=config))
+    assert uncounted.not_predicted["activations"] == (
+        "the run did not count them (count_activations off)"
+    )
+    assert uncounted.measured["buffers"] == 0.0
+    assert uncounted.activation_method == ""  # nothing measured to hold the plan against
+    shapeless = check_run(_write(tmp_path / "linear", _trainer_report(strategy="ddp")))
+    assert shapeless.not_predicted["activations"] == "the run's model has no shapes to trace"
+    assert shapeless.activation_method == ""
+    assert shapeless.logits_peak == shapeless.recomputed_layer == 0.0
+    fsdp2 = _finetune_run(tmp_path, "fsdp2", strategy="fsdp2_full_shard")
+    assert fsdp2.not_checked == {
+        "buffers": "not measured: fsdp2_root_whole_grads, fsdp2_reduce_scatter, "
+        "fsdp2_whole_params live between the report's probe points"
+    }
+    assert _finetune_run(tmp_path, "ddp").not_checked == {}
+
+
+def test_a_trainer_run_with_another_scripts_config_is_read_from_its_report(tmp_path):
+    """A Trainer run's folder may hold a run_config.json of the user's own: only both of
+    finetune's sections (or train_lm's) make it a recipe run, planned from that config
+    even where the report also records its model; otherwise the report's record plans it."""
+    for name, config in {
+        "model-only": {"ModelConfig": {"model": "x"}},
+        "train-only": {"TrainConfig": {"micro_batch_size": 2}},
+    }.items():
+        run_dir = _write(tmp_path / name, _trainer_report(), run_config=config)
+        check = check_run(run_dir)
+        assert check.model == "linear" and check.world_size == 2
+    folder, _ = _tiny_bert_folder(tmp_path / "bert")
+    finetune = {"ModelConfig": {"model": str(folder)}, "TrainConfig": {"micro_batch_size": 2}}
+    run_dir = _write(tmp_path / "recipe", _trainer_report(), run_config=finetune)
+    assert check_run(run_dir).model == str(folder)
+
+
+def test_a_trace_that_fails_is_planned_by_the_formula_and_says_why(tmp_path, monkeypatch):
+    from dpkit.plan import activations
+
+    def no_meta(*args, **kwargs):
+        raise RuntimeError("this model does not run on meta")
+
+    monkeypatch.setattr(activations, "trace_profile", no_meta)
+    check = _finetune_run(tmp_path, "formula")
+    assert check.activation_method == (
+        "formula: meta-device trace failed (this model does not run on meta)"
+    )
+
+
+def test_ddps_bucket_view_recorded_by_the_run_reaches_the_buffers_plan(tmp_path):
+    """DDP's reducer keeps a bucket copy of every gradient unless the run used
+    gradient_as_bucket_view, which the report records: the buffers planned differ by the
+    whole fp32 gradients, 4 bytes x the classifier's parameters (torch's count)."""
+    _, psi = _tiny_bert_folder(tmp_path / "bert")
+    copied = _finetune_run(tmp_path, "copied", settings={"ddp.gradient_as_bucket_view": False})
+    viewed = _finetune_run(tmp_path, "viewed", settings={"ddp.gradient_as_bucket_view": True})
+    assert copied.predicted["buffers"] - viewed.predicted["buffers"] == 4 * psi

@@ -116,7 +116,7 @@ def _logits_peak_per_sample(spec: ModelSpec, seq_len: int, act_bytes: int) -> fl
     # the log-probabilities, then of the upcast logits). The log-probabilities
     # themselves are saved tensors, counted with the rest. The formula assumes an
     # LM head (the trace measures the head the model has).
-    vocab = spec.shape("vocab_size", default=0) or 0
+    vocab = spec.shape("vocab_size") or 0
     return float(seq_len * vocab * (act_bytes + 4 + 4))
 
 
@@ -127,7 +127,7 @@ def formula_profile(
     a = dtype_bytes(precision)
     hidden, layers = spec.hidden_size, spec.shape("num_hidden_layers", "n_layer")
     heads = spec.shape("num_attention_heads", "n_head")
-    vocab = spec.shape("vocab_size", default=0) or 0
+    vocab = spec.shape("vocab_size") or 0
     hidden_p = spec.shape("resid_pdrop", "hidden_dropout_prob", "hidden_dropout", default=0.0)
     attention_p = spec.shape(
         "attn_pdrop", "attention_probs_dropout_prob", "attention_dropout", default=0.0
@@ -204,9 +204,8 @@ def _kernel_mode(device: str, autocast_dtype: Any = None) -> Any:
             return F.scaled_dot_product_attention(query, key, value, *args, **kwargs)
         return FusedAttention.apply(query, key, value)
 
-    def native_dropout(
-        input: Any, p: float = 0.5, training: bool = True, inplace: bool = False
-    ) -> Any:
+    # F.dropout hands every argument on to a function mode, by keyword.
+    def native_dropout(input: Any, p: float, training: bool, inplace: bool) -> Any:
         if not training or p == 0:
             return input  # PyTorch returns the input itself: nothing saved
         return torch.ops.aten.native_dropout(input, p, True)[0]
