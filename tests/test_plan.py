@@ -589,18 +589,24 @@ def test_trace_matches_a_real_forward(family, attention, micro_batch):
         assert saved == pytest.approx(measured, rel=0.002)
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])
-def test_a_cpu_trace_with_attention_dropout_matches_a_real_cpu_forward(attention):
-    """With attention dropout a CPU's SDPA falls back to the math kernel, which saves the
-    scores, their dropout mask and output (torch 2.13; docs/plan.md): ``device="cpu"``
-    must trace that, not the fused kernel a GPU runs, and match a real CPU forward."""
+def _gpt2_with_dropout():
+    """GPT-2 of 2 layers, h = 128, 4 heads, 64 positions, every dropout at 0.1: its config
+    and its spec."""
     from transformers import GPT2Config
 
     config = GPT2Config(
         n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    spec = plan_inputs.ModelSpec(name="gpt2", source="path", num_params=1, config=config)
+    return config, plan_inputs.ModelSpec(name="gpt2", source="path", num_params=1, config=config)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_a_cpu_trace_with_attention_dropout_matches_a_real_cpu_forward(attention):
+    """With attention dropout a CPU's SDPA falls back to the math kernel, which saves the
+    scores, their dropout mask and output (torch 2.13; docs/plan.md): ``device="cpu"``
+    must trace that, not the fused kernel a GPU runs, and match a real CPU forward."""
+    config, spec = _gpt2_with_dropout()
     on_cpu = activations.trace_profile(spec, 64, "bf16", False, attention, device="cpu")
     on_gpu = activations.trace_profile(spec, 64, "bf16", False, attention, device="cuda")
     for micro_batch in (1, 4):
@@ -620,13 +626,7 @@ def test_a_gpu_trace_keeps_one_byte_dropout_masks(precision, mask_bytes_on_cpu):
     dropout at 0.1: per sample each layer masks the attention probabilities (4 x 64 x 64)
     and two residual branches (2 x 64 x 128), and the embeddings one more 64 x 128, so
     the CPU trace is larger by that many elements x (mask bytes - 1), at any micro-batch."""
-    from transformers import GPT2Config
-
-    config = GPT2Config(
-        n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
-        resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    spec = plan_inputs.ModelSpec(name="gpt2", source="path", num_params=1, config=config)
+    config, spec = _gpt2_with_dropout()
     on_cpu = activations.trace_profile(spec, 64, precision, False, "eager", device="cpu")
     on_gpu = activations.trace_profile(spec, 64, precision, False, "eager", device="cuda")
     in_layers = 2 * (4 * 64 * 64 + 2 * 64 * 128)
