@@ -20,6 +20,18 @@ SHM = Path("/dev/shm")
 MIN_FREE_DISK_GIB = 6
 
 
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A real gloo process group of one rank in this process, gone after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}"
+    )
+    yield
+    dist.destroy_process_group()
+
+
 def hides_gpus(markexpr: str) -> bool:
     """Whether a pytest run with ``-m markexpr`` runs without GPUs: all but ``-m gpu``."""
     return markexpr.strip() != "gpu"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from collections import Counter, defaultdict
@@ -128,7 +129,8 @@ def read_equivalents(path: Path = EQUIVALENTS) -> dict[tuple[str, str, str, str]
     for number, line in enumerate(path.read_text().splitlines(), 1):
         if not line.strip() or line.lstrip().startswith("#"):
             continue
-        parts = [part.strip() for part in line.split(" | ")]
+        # A " | " inside a line of code is written " \| " (a type like `Path \| None`).
+        parts = [part.strip().replace("\\|", "|") for part in re.split(r" (?<!\\)\| ", line)]
         if len(parts) != 5 or not parts[4]:
             raise SystemExit(f"{path.name}:{number}: want 'path | function | before | after | why'")
         entries[tuple(parts[:4])] = parts[4]
@@ -213,6 +215,15 @@ def main(argv: list[str] | None = None) -> int:
         f"\nmutation score {100 * ratio(total):.1f}% (target {100 * args.target:.0f}%); "
         f"{len(result['unexplained'])} unexplained survivors; report: {REPORT.relative_to(REPO)}"
     )
+    if unchecked and unchecked == len(mutants) and not args.no_run:
+        # mutmut stops before any mutant when the unmutated tests fail, and keeps their
+        # output to itself (seen once, on a first run right after `make setup`; the next
+        # run passed): say so rather than print a score of nothing.
+        print(
+            "no mutant was checked: mutmut's run of the unmutated tests failed; "
+            "`mutmut run` again, or add `debug = true` under [tool.mutmut] to see the failure"
+        )
+        return 2
     if unchecked:
         print(f"{unchecked:,} mutants not checked (the run stopped early): the score is partial")
         return 2

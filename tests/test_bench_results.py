@@ -606,9 +606,11 @@ def _write_dpkit_run(
     losses: list[float],
     states: dict,
     precision: str = "fp32",
+    activations: float = 1e6,
 ) -> None:
     """A dpkit run's files as the recipe writes them: its step log, run config and info,
-    memory report (two ranks holding ``states``), summary and (ZeRO) DeepSpeed JSON."""
+    memory report (two ranks holding ``states`` and ``activations`` bytes), summary and
+    (ZeRO) DeepSpeed JSON."""
     _write_run(run_dir, step_times, losses)
     (run_dir / "run_config.json").write_text(json.dumps({"LMWorkload": TINY}))
     info = {"strategy": strategy, "world_size": 2, "gradient_accumulation_steps": 1}
@@ -617,7 +619,7 @@ def _write_dpkit_run(
     ranks = []
     for rank in (0, 1):
         row = {k: states[k] for k in ("params", "grads", "optimizer", "master")}
-        row |= {"rank": rank, "buffers_total": states["buffers"], "activations": 1e6}
+        row |= {"rank": rank, "buffers_total": states["buffers"], "activations": activations}
         row["model_state_total"] = sum(states[k] for k in ("params", "grads", "optimizer"))
         row["model_state_total"] += states["master"]
         if partition:
@@ -779,6 +781,53 @@ def test_a_bf16_bench_without_collectives_holds_its_losses_to_bf16s_tolerance(tm
     assert not any(check.endswith("< 0.002") for _, check in found)
 
 
+def test_a_checkpointed_twin_is_costed_against_its_plain_run_in_its_precision(tmp_path):
+    """``dpkit bench --gradient-checkpointing`` in bf16: DDP and its checkpointed twin.
+    By hand from the files: timed-step medians 0.35 / 0.25 (the CPU times are twice the
+    wall, the same ratio), activations 4e5 / 1e6 per rank, the last loss 1% off, which
+    bf16's 2^-6 accepts (fp32's 0.002 would not)."""
+    runs = tmp_path / "runs"
+    losses = [3.0, 2.5, 2.0, 1.5]
+    _write_dpkit_run(runs / "ddp", "ddp", [2.0, 0.2, 0.3, 0.25], losses, DDP_STATES, "bf16")
+    _write_dpkit_run(
+        runs / "ddp_checkpointed", "ddp", [2.0, 0.3, 0.4, 0.35], [*losses[:3], 1.5 * 1.01],
+        DDP_STATES, "bf16", activations=4e5,
+    )  # fmt: skip
+    ddp = get_strategy("ddp")
+    phases = [
+        launch.Phase("ddp", ddp, False, "accelerate launch", ["a"], runs / "ddp"),
+        launch.Phase(
+            "ddp_checkpointed", ddp, False, "accelerate launch", ["a"],
+            runs / "ddp_checkpointed", checkpointed=True,
+        ),
+    ]  # fmt: skip
+    settings = {"nproc": 2, "warmup_steps": 1, "zero_overrides": {}}
+    walls = {"ddp": 30.0, "ddp_checkpointed": 35.0}
+    results = bench_results.build_results(phases, walls, settings, {}, "dpkit bench", 65.0)
+    assert results["strategies"] == ["ddp"]  # the twin is not a strategy of its own
+    twin = results["checkpointing"]["ddp"]
+    planned_error = results["runs"]["ddp_checkpointed"]["plan"]["error_pct"]["activations"]
+    assert twin == {
+        "step_time_ratio": pytest.approx(0.35 / 0.25),
+        "step_time_ratio_repeats": [pytest.approx(0.35 / 0.25)],
+        "step_cpu_ratio": pytest.approx(0.35 / 0.25),
+        "activations_bytes": 1e6,
+        "checkpointed_activations_bytes": 4e5,
+        "loss_max_rel_dev": pytest.approx(0.01),
+        "plan_activations_error_pct": planned_error,
+    }
+    assert isinstance(planned_error, float)
+    found = {(c["strategy"], c["check"]): (c["value"], c["ok"]) for c in results["checks"]}
+    assert found[("ddp", "checkpointed losses = plain (rel <= 0.015625)")] == (
+        pytest.approx(0.01),
+        True,
+    )
+    assert found[("ddp", "checkpointed activations / plain < 1")] == (pytest.approx(0.4), True)
+    within = [check for strategy, check in found if check.startswith("checkpointed activations w")]
+    assert len(within) == 1 and found[("ddp", within[0])][0] == planned_error
+    assert found[("ddp", "checkpointed/plain step time <= 1.5")][0] == pytest.approx(1.4)
+
+
 def test_a_bench_of_one_strategy_is_read_from_that_run(tmp_path):
     """``dpkit bench --strategies zero2``: one run, no DDP to compare with; the model and
     precision are that run's."""
@@ -789,6 +838,7 @@ def test_a_bench_of_one_strategy_is_read_from_that_run(tmp_path):
     assert results["strategies"] == ["zero2"]
     assert (results["num_params"], results["precision"]) == (TINY_PSI, "fp32")
     assert "loss_max_rel_dev_vs_ddp" not in results["comparison"]["zero2"]
+    assert "checkpointing" not in results  # no --gradient-checkpointing twin ran
 
 
 def test_the_timelines_chart_puts_each_checkpointed_twin_beside_its_run():

@@ -89,6 +89,7 @@ def test_enabling_recomputes_every_layer_with_the_non_reentrant_checkpoint():
     )  # fmt: skip
     model = BertModel(config)
     assert not models.is_gradient_checkpointing(model)
+    assert not models.is_gradient_checkpointing(torch.nn.Linear(2, 2))  # not a transformers model
     models.enable_gradient_checkpointing(model)
     assert models.is_gradient_checkpointing(model)
     layers = model.encoder.layer

@@ -117,6 +117,9 @@ def test_savings_against_full_replication():
     # The defaults are fp32 AdamW: 16 bytes replicated; ZeRO-1 at N=2 holds 4 + 4 + (8 + 4) / 2.
     assert full_replication_bytes(1000).total == 16000
     assert savings_vs_replication(1000, "zero1", 2) == {"saved_bytes": 2000, "ratio": 14 / 16}
+    # 500 frozen parameters (LoRA's base) are held, 4 bytes each, with nothing else.
+    frozen = full_replication_bytes(1000, frozen_params=500)
+    assert (frozen.params, frozen.grads, frozen.optimizer) == (4 * 1500, 4000, 8000)
 
 
 def test_zero1_in_mixed_precision_holds_the_larger_of_its_gradients_and_the_step_cast():

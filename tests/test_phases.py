@@ -160,18 +160,6 @@ def _allreduce_after_comm(state, bucket):
     return done
 
 
-@pytest.fixture
-def one_rank_group(tmp_path):
-    """A real gloo process group of one rank in this process, gone after the test."""
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}"
-    )
-    yield
-    dist.destroy_process_group()
-
-
 def test_ddp_timing_is_in_seconds_of_the_step_it_timed(one_rank_group):
     """``ddp_timing`` against the known sleeps and the test's own clock.
 

@@ -26,7 +26,7 @@ from dpkit.errors import UsageError
 from dpkit.plan import estimate as plan
 from dpkit.plan import inputs as plan_inputs
 from dpkit.plan.activations import ActivationProfile
-from dpkit.plan.recommend import format_gib, make_plan
+from dpkit.plan.recommend import Plan, format_gib, make_plan
 
 GB = 10**9
 PSI = 10**9
@@ -100,6 +100,7 @@ def test_the_least_sharding_that_fits_and_why(gpu_gb, chosen, reason):
 def test_a_plan_exactly_at_a_strategys_total_picks_it_and_one_byte_less_does_not():
     at = make_plan(_count_inputs(gpu_memory=int(BY_HAND["zero2"])))
     assert at.recommended == "zero2"
+    assert at.fits(at.row("zero2"))  # the table's "fits" column says the same
     below = make_plan(_count_inputs(gpu_memory=int(BY_HAND["zero2"]) - 1))
     assert below.recommended == "fsdp2_shard_grad_op"
 
@@ -117,6 +118,17 @@ def test_cpu_adam_runs_only_offloaded_and_says_so():
         "gradients and weights cross PCIe every step, so steps slow down."
     )
     assert result.largest_micro_batches["ddp"] is None
+
+
+def test_one_gpu_that_only_offload_fits_is_told_what_did_not_fit():
+    """One GPU (N = 1: sharding saves nothing, full-shard 16 bytes per parameter) of 5 GB:
+    only offload fits, with AdamW, so the reason lists what did not fit (DDP's 18 GB is
+    16.8 GiB), not the cpu_adam rule."""
+    result = make_plan(_count_inputs(gpus_per_node=1, gpu_memory=5 * GB))
+    assert result.recommended == "zero2_offload"
+    assert result.row("fsdp2_full_shard").total == 16 * PSI
+    assert result.reason.startswith("DDP needs 16.8 GiB; ZeRO-1 needs ")
+    assert "cpu_adam" not in result.reason
 
 
 def test_offload_adam_becomes_cpu_adam_and_sgd_stays_sgd():
@@ -173,6 +185,38 @@ def test_nothing_fits_at_this_micro_batch_asks_for_less_activation_memory(monkey
     assert "even before activations" in str(err.value)
 
 
+def test_the_plan_traces_the_attention_and_method_asked_for():
+    """A tiny GPT-2 (2 layers, 4 heads, 64 tokens) planned in fp32. Eager attention keeps
+    each layer's softmax output, 4 heads x 64 x 64 x 4 B per sample, which SDPA does not;
+    the formula is used when asked for; an optimizer a strategy cannot run leaves that
+    strategy without a largest micro-batch (None, not 0: nothing was tried)."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(
+        n_layer=2, n_embd=48, n_head=4, vocab_size=320, n_positions=64, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    spec = plan_inputs.spec_from_config("tiny-gpt2", "path", config)
+
+    def planned(**changes) -> Plan:
+        return make_plan(
+            plan_inputs.PlanInputs(
+                model=spec, seq_len=64, precision="fp32", gpus_per_node=2, reserve=0,
+                headroom=0.0, **changes,
+            )
+        )  # fmt: skip
+
+    sdpa, eager = planned(), planned(attention="eager")
+    assert (sdpa.activations.method, eager.activations.method) == ("trace", "trace")
+    extra = eager.activations.at_one["layers"] - sdpa.activations.at_one["layers"]
+    assert extra >= 2 * 4 * 64 * 64 * 4
+    assert planned(activation_method="formula").activations.method == "formula"
+    cpu_adam = planned(optimizer="cpu_adam")
+    assert cpu_adam.row("ddp").applicable is False
+    assert cpu_adam.largest_micro_batches["ddp"] is None
+    assert cpu_adam.largest_micro_batches["zero2_offload"] >= 1
+
+
 def test_format_gib_rounds_to_one_decimal():
     assert [format_gib(x) for x in (0, 2**30, 1.25 * 2**30, 1.26 * 2**30, 80 * 2**30)] == [
         "0.0 GiB", "1.0 GiB", "1.2 GiB", "1.3 GiB", "80.0 GiB",
@@ -214,7 +258,8 @@ PROFILE = ActivationProfile("trace", {"layers": 700.0}, {"layers": 100.0}, {"lay
 def test_largest_micro_batch_is_the_boundary_worked_by_hand(gpu_memory, largest):
     inputs = _ddp_linear_inputs(gpu_memory)
     settings = plan.buffer_settings(inputs.model, 2)
-    assert plan.largest_micro_batch(inputs, "ddp", PROFILE, settings) == largest
+    found = plan.largest_micro_batch(inputs, "ddp", PROFILE, settings)
+    assert found == largest and type(found) is int  # a batch size, whatever the bisection
     assert plan.largest_micro_batch(inputs, "ddp", None, settings) is None
     # cpu_adam cannot run under DDP: nothing fits.
     cpu_adam = plan_inputs.PlanInputs(
@@ -251,6 +296,48 @@ def test_buffer_settings_are_dpkits_over_deepspeeds_defaults():
     assert gpt2["gradient_as_bucket_view"] is True
     # On one GPU a quarter of the partition (31M) is under the embedding (38.6M): still off.
     assert plan.buffer_settings(plan_inputs.load_model("gpt2"), 1)["contiguous_gradients"] is False
+
+
+def test_frozen_parameters_are_held_gathered_and_cast_but_get_no_gradient():
+    """A LoRA-shaped model by hand on 2 ranks, fp32 AdamW: one trainable (3, 4) weight in
+    layer 0, one frozen (9, 2) weight in the root, 24 bytes of module buffers. FSDP2 pads
+    dim 0 to a multiple of 2 per parameter: shards of 2x4 = 8 and 5x2 = 10 elements."""
+    spec = plan_inputs.ModelSpec(
+        name="lora-by-hand", source="count", num_params=12, frozen_params=18,
+        param_shapes=((3, 4), (9, 2)), trainable=(True, False), param_units=(0, -1),
+        module_buffer_bytes=24,
+    )  # fmt: skip
+
+    def estimate(strategy: str, precision: str) -> plan.StrategyEstimate:
+        inputs = plan_inputs.PlanInputs(
+            model=spec, gpus_per_node=2, precision=precision, reserve=0, headroom=0.0
+        )
+        return plan.estimate(inputs, strategy, 1, None, plan.buffer_settings(spec, 2))
+
+    fsdp2 = estimate("fsdp2_full_shard", "fp32")
+    # Both shards held (8 + 10 elements x 4 B); gradients and AdamW's two moments of the
+    # trainable shard only.
+    assert (fsdp2.params, fsdp2.grads, fsdp2.optimizer, fsdp2.master) == (72, 32, 64, 0)
+    assert fsdp2.buffer_parts == {
+        # the root (9 -> 10 rows x 2) and the one layer (3 -> 4 rows x 4) gathered whole
+        "fsdp2_whole_params": 4 * (10 * 2 + 4 * 4),
+        "fsdp2_root_whole_grads": 0,  # the root's one weight is frozen
+        # the layer's whole gradients (12 x 4 B) and its fp32 reduce-scatter input (2 x 8 x
+        # 4 B); the frozen root's would be 18 x 4 + 2 x 10 x 4 = 152
+        "fsdp2_reduce_scatter": 12 * 4 + 2 * 8 * 4,
+        "module_buffers": 24,
+    }
+    ddp = estimate("ddp", "bf16")
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (30 * 4, 12 * 4, 12 * 8)
+    # Autocast casts every weight the forward uses, frozen or not: 2 B x 30.
+    assert ddp.activation_parts == {"autocast_weight_copies": 2 * 30}
+    assert ddp.buffer_parts["module_buffers"] == 24
+    # A bare count has no layout: shard-grad-op's whole parameters, frozen ones too.
+    count = plan_inputs.ModelSpec(name="n", source="count", num_params=12, frozen_params=18)
+    bare = plan_inputs.PlanInputs(model=count, gpus_per_node=2, precision="fp32")
+    settings = plan.buffer_settings(count, 2)
+    row = plan.estimate(bare, "fsdp2_shard_grad_op", 1, None, settings)
+    assert row.buffer_parts == {"fsdp2_whole_params": 4 * (12 + 18)}
 
 
 def test_buffers_by_engine_and_setting():

@@ -20,6 +20,7 @@ from dpkit.models import (
     ModelSizes,
     adamw,
     adamw_param_groups,
+    block_class_names,
     build_meta_model,
     count_parameters,
     hidden_size_of,
@@ -195,6 +196,20 @@ def test_hidden_size_under_each_configs_name():
     assert hidden_size_of(PretrainedConfig()) is None
     assert hidden_size_of(PretrainedConfig(hidden_size=0, d_model=8)) == 8
     assert hidden_size_of(PretrainedConfig(hidden_size=2.5, n_embd=16)) == 16
+    assert hidden_size_of(SimpleNamespace(hidden_size=1)) == 1  # the narrowest width is one
+
+
+def test_without_no_split_modules_the_blocks_are_the_first_longest_list_of_one_class():
+    """Three lists: 3 Linear, then 3 ReLU (as long: the first found stays), then 4 of
+    mixed classes (longer, but not blocks of one class)."""
+    from torch import nn
+
+    model = nn.Module()
+    model.first = nn.ModuleList([nn.Linear(1, 1) for _ in range(3)])
+    model.second = nn.ModuleList([nn.ReLU() for _ in range(3)])
+    model.mixed = nn.ModuleList([nn.Linear(1, 1), nn.ReLU(), nn.Tanh(), nn.GELU()])
+    assert block_class_names(model) == ("Linear",)
+    assert block_class_names(nn.Sequential(nn.ModuleList([nn.ReLU()]))) == ()  # one is no list
 
 
 # ---- sizes ------------------------------------------------------------------------------------

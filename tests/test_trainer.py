@@ -658,6 +658,23 @@ def test_check_trainer_run_refuses_a_rank_that_trains_alone(no_launcher):
     )
 
 
+@pytest.mark.parametrize("event", ["on_init_end", "on_train_begin"])
+def test_the_memory_callback_refuses_deepspeed_not_running_at_either_event(
+    no_launcher, event, capsys
+):
+    """``on_init_end`` (the Trainer built with the callback) and ``on_train_begin`` (the
+    callback added later) each refuse the run's own arguments: one line, exit 2."""
+    from dpkit.integrations.transformers import MemoryReportCallback
+
+    callback = MemoryReportCallback()
+    with pytest.raises(SystemExit) as stopped:
+        getattr(callback, event)(_trainer_args("ds_configs/zero2.json"), None, None)
+    assert stopped.value.code == 2
+    line = capsys.readouterr().err.strip()
+    assert "deepspeed='ds_configs/zero2.json': the run asked for DeepSpeed but runs" in line
+    assert "\n" not in line
+
+
 @pytest.mark.parametrize(
     ("deepspeed", "env", "named"),
     [
@@ -677,7 +694,7 @@ def test_check_trainer_run_refuses_a_rank_that_trains_alone(no_launcher):
         ("absent", {"ACCELERATE_USE_DEEPSPEED": "TRUE"}, "deepspeed='accelerate launch'"),
     ],
 )
-@pytest.mark.parametrize("use_cpu_env", [False, True])
+@pytest.mark.parametrize("use_cpu_env", [None, "true", "1"])  # accelerate reads either
 def test_check_trainer_run_refuses_deepspeed_asked_for_and_not_running(
     no_launcher, deepspeed, env, named, use_cpu_env
 ):
@@ -687,7 +704,7 @@ def test_check_trainer_run_refuses_deepspeed_asked_for_and_not_running(
     for key, value in env.items():
         no_launcher.setenv(key, value)
     if use_cpu_env:
-        no_launcher.setenv("ACCELERATE_USE_CPU", "true")
+        no_launcher.setenv("ACCELERATE_USE_CPU", use_cpu_env)
     args = SimpleNamespace() if deepspeed == "absent" else _trainer_args(deepspeed)
     with pytest.raises(UsageError) as refused:
         check_trainer_run(args)

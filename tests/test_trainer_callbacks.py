@@ -119,6 +119,11 @@ def test_phases_logged_every_n_steps_are_the_means_of_those_steps():
     callback.on_train_end(None, None, None)
     assert clock.removed and callback.phases is None
     callback.on_train_end(None, None, None)  # twice: nothing left to remove
+    # Driven without a Trainer (none on the stack): the clock goes on the model given.
+    model = torch.nn.Linear(2, 2)
+    callback.on_train_begin(None, None, None, model=model, optimizer=None)
+    assert callback.phases.model is model
+    callback.on_train_end(None, None, None)
 
 
 # --- a real Trainer in this process, logging every 3 steps -------------------------------
@@ -228,6 +233,10 @@ def test_a_real_trainer_logging_every_3_steps_logs_the_mean_step(tmp_path):
             wall_per_step,
         )
         previous = at
+        # Rounded to the microsecond (clock readings have nine more digits).
+        phases = [value for key, value in logs.items() if key.startswith("time/")]
+        assert len(phases) == 7 and all(value == round(value, 6) for value in phases)
+        assert any(value != round(value, 5) for value in phases)
     # Evaluation lines carry no phases.
     evaluations = [logs for _, logs in phased_run.lines if "eval_loss" in logs]
     assert len(evaluations) == 3  # after steps 2, 4 and 6
@@ -409,7 +418,8 @@ def _check_dpkit_plan_against_checks_every_category_and_the_total(reported_run) 
     assert {"buffers", "activations"} <= set(check["predicted_bytes"])
     # The callback printed the same check after each report, and the report itself.
     printed = reported_run["printed"]
-    assert printed.count(f"dpkit plan --against {reported_run['out']}") == 2
+    # each check a blank line below its report's table
+    assert printed.count(f"\n\ndpkit plan --against {reported_run['out']}") == 2
     assert printed.count("dpkit memory report, step 2\n") == 1
     assert printed.count("dpkit memory report, step 3\n") == 1
     assert "dpkit memory report, step 1" not in printed  # report_every=2: not due
@@ -524,6 +534,11 @@ class _FakeTrainer:
     def call_from_depth(self, depth: int, callback=None):
         return _nested(callback or self.callback_handler.callbacks[1], depth)
 
+    def call_event(self, event: str, *args, **kwargs) -> None:
+        """Call ``event`` on every callback from this object's frame, as the Trainer does."""
+        for callback in self.callback_handler.callbacks[1:]:
+            getattr(callback, event)(*args, **kwargs)
+
 
 def _nested(callback, level: int):
     """``_calling_trainer(callback)`` from ``level`` frames below this one's caller."""
@@ -541,6 +556,102 @@ def test_the_trainer_is_found_however_deep_the_callback_is_called():
     # A handler that does not hold this callback is not its Trainer.
     assert trainer.call_from_depth(0, callback=StepPhasesCallback()) is None
     assert _nested(StepPhasesCallback(), 3) is None  # no Trainer on the stack at all
+
+
+def test_both_callbacks_measure_the_model_the_trainer_wrapped(tmp_path, one_rank_group):
+    """Under several ranks the Trainer's ``model_wrapped`` is a DDP wrapper around the
+    model the events are given: the clock must time the wrapper's forward, and the
+    memory report count its reducer's buckets (a real DDP on a one-rank gloo group;
+    DDP's default buckets copy every gradient: 4 B x Psi of fp32 gradients) and record
+    the model given, the precision asked for (bf16: autocast) and the optimizer run."""
+    import json
+
+    from transformers import TrainerControl, TrainerState
+
+    from dpkit.integrations.transformers import MemoryReportCallback
+
+    model = _tiny_bert()
+    wrapped = torch.nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    phases, memory = StepPhasesCallback(), MemoryReportCallback(print_report=False)
+    trainer = _FakeTrainer(phases)
+    trainer.callback_handler.callbacks.append(memory)
+    trainer.model_wrapped = wrapped
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, bf16=True, per_device_train_batch_size=2,
+        report_to="none",
+    )  # fmt: skip
+    state, control = TrainerState(max_steps=1), TrainerControl()
+    trainer.call_event("on_train_begin", args, state, control, model=model, optimizer=optimizer)
+    assert phases.phases.model is wrapped
+    _one_step(wrapped, optimizer)
+    state.global_step = 1
+    trainer.call_event("on_step_end", args, state, control)
+    logs = {"loss": 1.0}
+    phases.on_log(args, state, control, logs=logs)
+    assert logs["time/optimizer_s"] > 0  # the clock's hooks are on the optimizer too
+    trainer.call_event("on_train_end", args, state, control)
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert report["ranks"][0]["buffers"]["ddp_buckets"] == 4 * TINY_PSI
+    assert report["model"]["class"] == "BertForSequenceClassification"
+    assert (report["precision"], report["optimizer"]) == ("bf16", "sgd_momentum")
+    assert not any("Trainer was not found" in note for note in report["notes"])
+
+
+def test_a_deepspeed_run_is_read_from_its_engine_and_optimizer(
+    tmp_path, one_rank_group, monkeypatch
+):
+    """DeepSpeed ZeRO-2 in bf16 as the Trainer runs it (its engine as ``model_wrapped``,
+    its ZeRO optimizer), on a one-rank gloo group in this process: the strategy and the
+    precision come from DeepSpeed's optimizer (16-bit partitions), not from the
+    arguments, which ask for neither here."""
+    import json
+
+    import deepspeed
+    from transformers import TrainerControl, TrainerState
+
+    from dpkit.integrations.transformers import MemoryReportCallback
+
+    # The arguments first: they (re)make accelerate's process-wide state, which with
+    # LOCAL_RANK set would read a distributed CPU run, for this test and every later one.
+    args = TrainingArguments(
+        output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2, report_to="none"
+    )
+    monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's check that a launcher started it
+    model = _tiny_bert()
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": 2},
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+    }
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model, model_parameters=model.parameters(), config=config
+    )
+    phases, memory = StepPhasesCallback(), MemoryReportCallback(print_report=False)
+    trainer = _FakeTrainer(phases)
+    trainer.callback_handler.callbacks.append(memory)
+    trainer.model_wrapped = engine
+    state, control = TrainerState(max_steps=1), TrainerControl()
+    trainer.call_event("on_train_begin", args, state, control, model=model, optimizer=optimizer)
+    assert phases.phases.model is engine
+    batch = _token_examples(2)
+    inputs = torch.stack([example["input_ids"] for example in batch])
+    labels = torch.tensor([example["labels"] for example in batch])
+    engine.backward(engine(input_ids=inputs, labels=labels).loss)
+    engine.step()
+    state.global_step = 1
+    trainer.call_event("on_step_end", args, state, control)
+    trainer.call_event("on_train_end", args, state, control)
+    report = json.loads((tmp_path / "memory_report.json").read_text())
+    assert (report["strategy"], report["precision"]) == ("zero2", "bf16")
+    assert (report["optimizer"], report["offload_optimizer"]) == ("adamw", None)
+    assert report["model"]["class"] == "BertForSequenceClassification"
+    # By hand: the module's weights in bf16 (2 B each), DeepSpeed's fp32 master (4 B).
+    assert (report["measured"]["params"], report["measured"]["master"]) == (
+        2 * TINY_PSI,
+        4 * TINY_PSI,
+    )
 
 
 def test_both_callbacks_put_themselves_first_for_the_loggers(tmp_path):

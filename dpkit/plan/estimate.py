@@ -199,9 +199,11 @@ def estimate(
         if activations is not None:
             activation_parts = activations.parts(micro_batch)
         # What the backend adds to the saved tensors (DDP autocast's 16-bit weight copies,
-        # where no trace under autocast counted them; FSDP2's matmuls save its whole
-        # 16-bit parameters, counted among its buffers).
-        activation_parts.update(engine.activation_extras(strategy, float(num_params), precision))
+        # where no trace under autocast counted them: of every weight the forward uses,
+        # LoRA's frozen ones too; FSDP2's matmuls save its whole 16-bit parameters,
+        # counted among its buffers).
+        all_params = float(num_params + inputs.model.frozen_params)
+        activation_parts.update(engine.activation_extras(strategy, all_params, precision))
     buffers = buffer_bytes(
         strategy, inputs.model, inputs.world_size, inputs.precision, settings, states.grads
     )
