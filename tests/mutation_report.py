@@ -8,10 +8,20 @@ listed, with a one-line reason, in ``tests/mutation_equivalents.txt``, keyed by 
 function and the line before and after the change (not by mutmut's numbering, which
 moves whenever a function changes). The score is killed / (all - equivalent).
 
+A listed reason that starts with ``launch only:`` explains a survivor that is not
+equivalent: only a path a real launch takes reaches it (several ranks, a DeepSpeed
+launch), where mutmut cannot see the mutant. It names the launch test that covers the
+path; it counts as not killed in the score, and is shown in its own column.
+
+The mutants listed there are not run: before mutmut tests anything, each one whose diff
+matches a listed line is marked skipped (it cannot be killed, and a survivor costs every
+test that reaches it). Remove a line to have its mutant tested again.
+
 Incremental: mutmut keeps every verdict in ``mutants/`` and re-tests only the mutants
 of functions that changed since; the survivors of the last run (and mutants no test
-reached) are re-tested every time, since a test may have been added for them. The first
-run checks every mutant (see docs/testing.md for how long that takes).
+reached, and the skipped ones) are re-tested every time, since a test may have been
+added for them. The first run checks every mutant (see docs/testing.md for how long
+that takes).
 
 Exit status: 0 when the score reaches ``--target`` (0.90) and every survivor is either
 killed or explained; 2 when some mutants were not checked (a run stopped early: the
@@ -39,6 +49,8 @@ EQUIVALENTS = REPO / "tests" / "mutation_equivalents.txt"
 REPORT = REPO / "mutants" / "mutation-report.md"
 # mutmut counts a timeout (the mutant looped) as detected, like a kill.
 KILLED = {"killed", "timeout", "caught by type check", "segfault"}
+SKIPPED_EXIT_CODE = 34  # mutmut's "skipped"
+LAUNCH_ONLY = "launch only:"
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,8 @@ class Mutant:
     removed: str
     added: str
     diff: str
+    seconds: float = 0.0
+    """Wall time of its test run (0 where not recorded: skipped, no tests)."""
 
     @property
     def key(self) -> tuple[str, str, str, str]:
@@ -92,13 +106,14 @@ def read_results(with_diffs: bool = True) -> list[Mutant]:
             if with_diffs and status not in KILLED and status != "not checked":
                 diff = get_diff_for_mutant(name, path=path)
                 removed, added = _changed_lines(diff)
-            mutants.append(Mutant(name, str(path), status, function, removed, added, diff))
+            seconds = float(data.durations_by_key.get(name) or 0.0)
+            mutants.append(Mutant(name, str(path), status, function, removed, added, diff, seconds))
     return mutants
 
 
 def recheck_survivors() -> int:
-    """Mark the last run's survivors and untested mutants unchecked, so that the next
-    ``mutmut run`` tests them again (mutmut itself re-tests only changed functions)."""
+    """Mark the last run's survivors, untested and skipped mutants unchecked, so that the
+    next ``mutmut run`` tests them again (mutmut itself re-tests only changed functions)."""
     os.chdir(REPO)
     from mutmut.mutation.data import SourceFileMutationData
     from mutmut.stats import status_by_exit_code
@@ -113,7 +128,7 @@ def recheck_survivors() -> int:
         stale = [
             name
             for name, code in data.exit_code_by_key.items()
-            if code is not None and status_by_exit_code[code] in ("survived", "no tests")
+            if code is not None and status_by_exit_code[code] in ("survived", "no tests", "skipped")
         ]
         for name in stale:
             data.exit_code_by_key[name] = None
@@ -121,6 +136,79 @@ def recheck_survivors() -> int:
             data.save()
         count += len(stale)
     return count
+
+
+def run_mutmut_skipping_equivalents(patterns: list[str]) -> int:
+    """``mutmut run PATTERN ...`` in this process, with the listed equivalents marked
+    skipped between mutmut's mutant generation and its first test.
+
+    mutmut has no option for this: its run reads the mutants to test from
+    ``collect_source_file_mutation_data``, which this wraps (mutmut is pinned to 3.8).
+    Only the functions named in the list have their diffs read."""
+    import mutmut.__main__ as mutmut_main
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+    from mutmut.utils.format_utils import orig_function_and_class_names_from_key
+
+    equivalents = read_equivalents()
+    listed_functions = {(path, function) for path, function, _, _ in equivalents}
+    collect = mutmut_main.collect_source_file_mutation_data
+
+    def collect_skipping_equivalents(*, mutant_names):
+        mutants, data_by_path = collect(mutant_names=mutant_names)
+        kept, skipped = [], 0
+        for data, name, result in mutants:
+            function, cls = orig_function_and_class_names_from_key(name)
+            function = f"{cls}.{function}" if cls else function
+            path = str(data.path)
+            if (result is None or mutant_names) and (path, function) in listed_functions:
+                removed, added = _changed_lines(get_diff_for_mutant(name, path=path))
+                if (path, function, removed, added) in equivalents:
+                    data.exit_code_by_key[name] = SKIPPED_EXIT_CODE
+                    skipped += 1
+                    continue
+            kept.append((data, name, result))
+        for data in data_by_path.values():
+            data.save()
+        print(f"skipping {skipped} mutants listed in {EQUIVALENTS.name}")
+        return kept, data_by_path
+
+    mutmut_main.collect_source_file_mutation_data = collect_skipping_equivalents
+    _time_each_mutant(mutmut_main)
+    try:
+        mutmut_main.cli(["run", *patterns])
+    except SystemExit as stop:
+        return stop.code if isinstance(stop.code, int) else 1
+    return 0
+
+
+def _time_each_mutant(mutmut_main) -> None:
+    """Record each mutant's wall time in mutmut's ``durations_by_key`` (its fork server
+    leaves them 0): from the moment it is handed to a free worker to its verdict."""
+    import dataclasses
+    import time
+
+    started: dict[str, float] = {}
+    make_runner, register = mutmut_main.get_mutant_runner, mutmut_main._register_mutant_result
+
+    def timed_runner(*args, **kwargs):
+        runner = make_runner(*args, **kwargs)
+        submit = runner.submit
+
+        def timed_submit(mutant_name, *rest, **options):
+            started[mutant_name] = time.monotonic()
+            return submit(mutant_name, *rest, **options)
+
+        runner.submit = timed_submit
+        return runner
+
+    def register_timed(result, data_by_name):
+        if result.mutant_name in started:
+            seconds = time.monotonic() - started.pop(result.mutant_name)
+            result = dataclasses.replace(result, duration=seconds)
+        register(result, data_by_name)
+
+    mutmut_main.get_mutant_runner = timed_runner
+    mutmut_main._register_mutant_result = register_timed
 
 
 def read_equivalents(path: Path = EQUIVALENTS) -> dict[tuple[str, str, str, str], str]:
@@ -140,21 +228,31 @@ def read_equivalents(path: Path = EQUIVALENTS) -> dict[tuple[str, str, str, str]
 def score(mutants: list[Mutant], equivalents: dict) -> dict:
     """Per module and in all: killed, equivalent, surviving (unexplained), and the score."""
     per_module: dict[str, Counter] = defaultdict(Counter)
+    per_function: Counter = Counter()  # worker seconds, by path:function
     unexplained = []
     for mutant in mutants:
         counts = per_module[mutant.path]
         counts["total"] += 1
+        counts["seconds"] += mutant.seconds
+        per_function[f"{mutant.path}:{mutant.function}"] += mutant.seconds
         if mutant.status == "not checked":  # a run stopped early: not in the score
             counts["unchecked"] += 1
         elif mutant.status in KILLED:
             counts["killed"] += 1
+        elif mutant.key in equivalents and equivalents[mutant.key].startswith(LAUNCH_ONLY):
+            counts["launch only"] += 1  # explained, but not killed: in the score's denominator
         elif mutant.key in equivalents:
             counts["equivalent"] += 1
         else:
             counts["surviving"] += 1
             unexplained.append(mutant)
     total = sum(per_module.values(), Counter())
-    return {"per_module": dict(per_module), "total": total, "unexplained": unexplained}
+    return {
+        "per_module": dict(per_module),
+        "total": total,
+        "unexplained": unexplained,
+        "per_function": per_function,
+    }
 
 
 def ratio(counts: Counter) -> float:
@@ -164,8 +262,9 @@ def ratio(counts: Counter) -> float:
 
 def format_report(result: dict, stale: list) -> str:
     lines = [
-        "| module | mutants | checked | killed | equivalent | surviving | score |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| module | mutants | checked | killed | equivalent | launch only | surviving | score "
+        "| worker min |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     rows = sorted(result["per_module"].items()) + [("all", result["total"])]
     for module, c in rows:
@@ -173,8 +272,13 @@ def format_report(result: dict, stale: list) -> str:
         score = f"{100 * ratio(c):.1f}%" if checked > c["equivalent"] else "-"
         lines.append(
             f"| {module} | {c['total']:,} | {checked:,} | {c['killed']:,} | "
-            f"{c['equivalent']} | {c['surviving']} | {score} |"
+            f"{c['equivalent']} | {c['launch only']} | {c['surviving']} | {score} | "
+            f"{c['seconds'] / 60:.1f} |"
         )
+    slowest = [(f, t) for f, t in result["per_function"].most_common(8) if t > 0]
+    if slowest:
+        lines += ["", "Slowest functions to test (worker minutes):"]
+        lines += [f"- {function}: {seconds / 60:.1f}" for function, seconds in slowest]
     for mutant in result["unexplained"]:
         lines += ["", f"### {mutant.name} ({mutant.status})", "```diff", mutant.diff, "```"]
     if stale:
@@ -188,12 +292,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("patterns", nargs="*", help="mutant-name globs (default: all)")
     parser.add_argument("--no-run", action="store_true", help="report on the last run")
     parser.add_argument("--target", type=float, default=0.90)
+    parser.add_argument("--mutmut-run", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.mutmut_run:  # the child below: mutmut's run, in a process of its own
+        os.chdir(REPO)
+        return run_mutmut_skipping_equivalents(args.patterns)
     if not args.no_run:
         if not args.patterns and (REPO / "mutants").is_dir():
             print(f"re-testing {recheck_survivors()} survivors of the last run")
-        mutmut = Path(sys.executable).with_name("mutmut")
-        done = subprocess.run([str(mutmut), "run", *args.patterns], cwd=REPO)
+        done = subprocess.run([sys.executable, __file__, "--mutmut-run", *args.patterns], cwd=REPO)
         if done.returncode not in (0, 1):
             return done.returncode
     mutants = read_results()

@@ -40,12 +40,34 @@ from dpkit.memory.analytic import (
         ((10, "ddp", 2, "fp32", "lion"),
          "optimizer must be one of adamw, adam, sgd_momentum, sgd, cpu_adam, got 'lion'"),
         ((10, "zero4", 2), "unknown strategy 'zero4'"),
+        ((10, "ddp", 2, "fp32", "adamw", None, -1), "frozen_params must be >= 0, got -1"),
     ],
 )  # fmt: skip
 def test_model_state_bytes_refuses_in_one_line(args, message):
     with pytest.raises(ValueError) as err:
         model_state_bytes(*args)
     assert str(err.value).startswith(message)
+
+
+def test_frozen_parameters_add_their_weights_only_as_the_engine_holds_them():
+    """A frozen (LoRA base) weight is a parameter and nothing else: no gradient, optimizer
+    state or master copy. ZeRO-2 in bf16 holds it whole on every rank in the module's
+    bf16 (2 B), even a single one; FSDP2 shards it as its own parameters, in fp32 (it casts
+    for compute): a (6,) weight over 4 ranks is padded to 8 rows, 2 per rank, 4 B each."""
+    plain = model_state_bytes(100, "zero2", 2, "bf16")
+    one = model_state_bytes(100, "zero2", 2, "bf16", frozen_params=1)
+    assert one == ModelStateBytes(
+        params=plain.params + 2, grads=plain.grads, optimizer=plain.optimizer,
+        master=plain.master, offloaded_to_cpu=0.0,
+    )  # fmt: skip
+    shapes = [(100,)]
+    sharded = model_state_bytes(100, "fsdp2_full_shard", 4, "bf16", param_shapes=shapes)
+    with_frozen = model_state_bytes(
+        100, "fsdp2_full_shard", 4, "bf16", param_shapes=shapes, frozen_params=6,
+        frozen_param_shapes=[(6,)],
+    )  # fmt: skip
+    assert with_frozen.params == sharded.params + 2 * 4
+    assert (with_frozen.grads, with_frozen.optimizer) == (sharded.grads, sharded.optimizer)
 
 
 def test_precision_names_and_their_bytes():

@@ -389,3 +389,257 @@ def test_the_kernels_a_trace_imitates_autocast():
     activations_saved = len(storages) - sum(1 for _, dtype in storages if dtype == bf16)
     assert activations_saved == 0  # every matmul input, the activation too, in 16 bits
     assert len(storages) == 4 and len(weight_copies) == 3  # x, 1 weight copy, 1st output
+
+
+def _tiny_lm(labelled: bool = True, in_a_list: bool = True):
+    """An LM of its own on the meta device, small enough to count by hand: an embedding
+    (vocabulary 10, hidden 4), two blocks of Linear(4, 4) + ReLU in a ModuleList (each a
+    transformers ``GradientCheckpointingLayer``, as every decoder layer is), a head
+    without bias, cross-entropy. Named ``...LMHeadModel`` so that the trace gives it
+    token labels; ``labelled=False`` makes it a bare model (no head's loss, no logits);
+    ``in_a_list=False`` holds the blocks as plain attributes, where the trace finds no
+    layers (no ModuleList, no unsplittable classes named)."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.nn.functional as F
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    class Block(GradientCheckpointingLayer):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return torch.relu(self.linear(x))
+
+    class TinyLMHeadModel(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.config = SimpleNamespace()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+            self.head = torch.nn.Linear(4, 10, bias=False)
+
+        def forward(self, input_ids, labels):
+            x = self.embed(input_ids)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.head(x)
+            loss = F.cross_entropy(logits.view(-1, 10), labels.view(-1))
+            return SimpleNamespace(loss=loss, logits=logits)
+
+    class TinyModel(TinyLMHeadModel):  # a bare model: its output has no logits
+        def forward(self, input_ids):
+            x = self.embed(input_ids)
+            for block in self.blocks:
+                x = block(x)
+            return SimpleNamespace(last_hidden_state=x)
+
+    with torch.device("meta"):
+        model = (TinyLMHeadModel if labelled else TinyModel)().train()
+    if not in_a_list:  # the same blocks as attributes: no layers found
+        first, second = model.blocks
+        del model.blocks
+        model.first, model.second = first, second
+        model.blocks = (first, second)  # a plain tuple: not a module, not a ModuleList
+    return model
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_one_trace_counts_each_saved_storage_once_by_where_it_was_saved(device):
+    """``_trace_once`` on the hand-countable LM, batch 2 x 3 tokens (6 tokens), by torch's
+    autograd rules: Linear saves its input (its weight is a model state: not counted),
+    ReLU its output, an embedding its int64 indices, log_softmax its output, nll_loss its
+    int64 target and a 4-byte total weight. Each storage once: block 2's Linear saves
+    block 1's ReLU output and the head block 2's, counted where first saved. The layers
+    are the ModuleList's children (the model names no unsplittable blocks)."""
+    import torch
+
+    model = _tiny_lm()
+    tokens = 2 * 3
+    fp32 = activations._trace_once(model, 2, 3, device)
+    assert fp32 == {
+        # block 1: the embedding's output (Linear) and its ReLU output; block 2: its ReLU.
+        "layers": [2 * tokens * 4 * 4.0, tokens * 4 * 4.0],
+        # indices, log-probabilities (fp32), target, total weight
+        "outside": tokens * 8 + tokens * 10 * 4 + tokens * 8 + 4.0,
+        "logits_elements": tokens * 10.0,
+        "logits_bytes": tokens * 10 * 4.0,
+        "weight_copies": 0.0,
+    }
+    # Under autocast (bf16): the Linears' inputs and their weights in 16 bits; a weight's
+    # copy is saved by the Linear and set apart (2 x 16 + 40 weights x 2 B); the biases are
+    # cast but not saved. The loss is in fp32: its log-probabilities stay 4 B.
+    bf16 = activations._trace_once(model, 2, 3, device, torch.bfloat16)
+    assert bf16 == {
+        "layers": [2 * tokens * 4 * 2.0, tokens * 4 * 2.0],
+        "outside": tokens * 8 + tokens * 10 * 4 + tokens * 8 + 4.0,
+        "logits_elements": tokens * 10.0,
+        "logits_bytes": tokens * 10 * 2.0,
+        "weight_copies": (2 * 16 + 40) * 2.0,
+    }
+    # A bare model (no head dpkit knows how to label): no loss traced, no logits counted.
+    unlabelled = activations._trace_once(_tiny_lm(labelled=False), 2, 3, device)
+    assert unlabelled["outside"] == tokens * 8  # the indices only
+    assert unlabelled["logits_bytes"] == unlabelled["logits_elements"] == 0
+    assert unlabelled["layers"] == fp32["layers"]
+
+
+def test_a_profile_is_the_line_through_the_traces_at_two_and_three():
+    """``_profile_from_traces`` on the hand-countable LM, 3 tokens a sample: per sample what
+    one sample adds (the test above, per 3 tokens), fixed the 4-byte total weight, which
+    does not grow with the batch; the logits peak per sample is the logits and
+    cross-entropy's two fp32 gradients, 3 x 10 x (4 + 8) in fp32 and 3 x 10 x (2 + 8)
+    under autocast, whose weight copies are fixed (2 B x 72 weights)."""
+    import torch
+
+    model = _tiny_lm()
+    fp32 = activations._profile_from_traces(model, 3, False, "cuda", None)
+    per_sample = {
+        "outside_layers": 3 * 8 + 3 * 10 * 4 + 3 * 8,
+        "layers": 3 * 4 * 4 * 3,
+        "logits_peak": 3 * 10 * (4 + 8),
+    }
+    assert fp32.method == "trace"
+    assert fp32.per_sample == per_sample
+    assert fp32.fixed == {"outside_layers": 4, "layers": 0, "logits_peak": 0}
+    assert fp32.at_one == {k: per_sample[k] + fp32.fixed[k] for k in per_sample}
+    mixed = activations._profile_from_traces(model, 3, False, "cuda", torch.bfloat16)
+    assert mixed.per_sample == {
+        "outside_layers": 3 * 8 + 3 * 10 * 4 + 3 * 8,
+        "layers": 3 * 4 * 2 * 3,
+        "autocast_weight_copies": 0,
+        "logits_peak": 3 * 10 * (2 + 8),
+    }
+    assert mixed.fixed == {
+        "outside_layers": 4, "layers": 0, "autocast_weight_copies": 72 * 2, "logits_peak": 0,
+    }  # fmt: skip
+
+
+def test_a_checkpointed_profile_keeps_what_each_layer_is_recomputed_from():
+    """Checkpointed (torch's non-reentrant checkpoint around each block, as a run's
+    --gradient-checkpointing), the hand-countable LM keeps per sample of 3 tokens: each
+    block's input (3 x 4 floats, twice) and, outside, the last block's output, which the
+    head now saves (a plain run counted it in the block, as its ReLU's output): three
+    tensors of 48 B in fp32. Backward recomputes one block at a time: the larger one,
+    2 x 48 B (its Linear's input and its ReLU's output). Under autocast the first block's
+    input is the embedding's fp32, the others bf16 (24 B); only the head's weight copy is
+    saved (2 B x 40): the blocks' copies are made again in the recomputation."""
+    import torch
+
+    model = _tiny_lm()
+    fp32 = activations._profile_from_traces(model, 3, True, "cuda", None)
+    assert fp32.per_sample == {
+        "outside_layers": 3 * 8 + 3 * 10 * 4 + 3 * 8,
+        "layer_inputs": 3 * 48,
+        "one_layer": 2 * 48,
+        "logits_peak": 3 * 10 * (4 + 8),
+    }
+    assert fp32.fixed["outside_layers"] == 4 and fp32.fixed["layer_inputs"] == 0
+    mixed = activations._profile_from_traces(model, 3, True, "cuda", torch.bfloat16)
+    assert mixed.per_sample["layer_inputs"] == 48 + 24 + 24
+    assert mixed.per_sample["one_layer"] == 2 * 24
+    assert mixed.fixed["autocast_weight_copies"] == 2 * 40
+    # The layers' switches are put back: the shared model traces plain again.
+    assert not any(block.gradient_checkpointing for block in model.blocks)
+    # A model whose layers the trace cannot find: all it saves counts as outside them
+    # (the blocks' 3 x 48 B too), and checkpointed, no layer is found to recompute and
+    # nothing is added: the checkpointed trace keeps no more than the plain one counted.
+    unlisted = _tiny_lm(in_a_list=False)
+    plain = activations._profile_from_traces(unlisted, 3, False, "cuda", None)
+    assert plain.per_sample["layers"] == 0
+    assert plain.per_sample["outside_layers"] == 3 * 8 + 3 * 10 * 4 + 3 * 8 + 3 * 48
+    kept = activations._profile_from_traces(unlisted, 3, True, "cuda", None)
+    assert kept.per_sample["outside_layers"] == plain.per_sample["outside_layers"]
+    for part in ("one_layer", "layer_inputs"):
+        assert kept.per_sample[part] == kept.fixed[part] == 0, part
+
+
+def test_each_head_is_traced_with_the_labels_its_loss_takes():
+    """By the model class's name, as transformers names its heads: a token label each
+    (int64, batch x sequence) for an LM, a masked LM and a token classifier; per sample a
+    class id, a multi-hot row or a regression target for a sequence classifier; none for
+    a bare model (its forward computes no loss). On the meta device, as the model is."""
+    from types import SimpleNamespace
+
+    import torch
+
+    def labels(class_name, **config):
+        model = type(class_name, (), {"config": SimpleNamespace(**config)})()
+        found = activations._trace_labels(model, 2, 5)
+        return None if found is None else (tuple(found.shape), found.dtype, found.device.type)
+
+    per_token = ((2, 5), torch.long, "meta")
+    for head in ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForTokenClassification"):
+        assert labels(f"Tiny{head}") == per_token, head
+    sequence = "TinyForSequenceClassification"
+    assert labels(sequence, num_labels=3) == ((2,), torch.long, "meta")
+    assert labels(sequence, num_labels=1) == ((2,), torch.float32, "meta")
+    multi = labels(sequence, num_labels=3, problem_type="multi_label_classification")
+    assert multi == ((2, 3), torch.float32, "meta")
+    assert labels("TinyModel") is None
+
+
+def test_a_decoder_classifier_without_a_padding_id_is_traced_with_one_of_its_own():
+    """A decoder's sequence classifier finds each row's last token by the padding id, and
+    transformers refuses a batch of more than one without it; GPT-2's config names none
+    (the recipes set it from the tokenizer). The trace gives its own copy of the config
+    one, so the plan is traced, not the formula's fallback, and the user's config is left
+    as it was. Per sample the logits peak is 3 labels x (4 + 4 + 4) bytes in fp32."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=40, n_positions=16)
+    config.num_labels = 3
+    assert config.pad_token_id is None
+    spec = plan_inputs.spec_from_config("gpt2-cls", "config", config, "sequence_classification")
+    assert spec.task == "GPT2ForSequenceClassification"
+    profile = activations.activation_profile(spec, 8, "fp32", False, "sdpa")
+    assert (profile.method, profile.note) == ("trace", "")
+    assert profile.per_sample["logits_peak"] == 3 * (4 + 4 + 4)
+    assert spec.config.pad_token_id is None
+
+
+def test_a_trace_imitates_only_the_devices_it_knows():
+    """``trace_profile``'s device picks whose kernels the meta device imitates; another is
+    refused with the two it knows, before any model is built."""
+    with pytest.raises(UsageError) as err:
+        activations.trace_profile(_gpt2_spec(), 8, "fp32", False, "sdpa", device="tpu")
+    assert str(err.value) == "device='tpu': not one of cuda, cpu"
+
+
+def test_lora_adapters_are_traced_on_the_modules_and_with_the_dropout_asked_for():
+    """A LoRA run's frozen weights save less for backward and its adapters save their own
+    inputs: the trace puts the adapters the spec records on its model. Which modules
+    carry them changes the bytes (GPT-2's attention projection c_attn, peft's default,
+    against the MLP's c_fc), so does the adapters' dropout (its masks and outputs), and a
+    target given as one name (as a peft config may hold it) is that module, not the
+    name's letters."""
+    import dataclasses
+
+    from transformers import GPT2Config
+
+    from dpkit.lora import LoraSettings
+
+    config = GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=40, n_positions=16, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+
+    def layers(spec):
+        profile = activations.activation_profile(spec, 8, "fp32", False, "sdpa")
+        assert (profile.method, profile.note) == ("trace", "")
+        return profile.per_sample["layers"]
+
+    def adapted(targets, dropout=0.0):
+        settings = LoraSettings(r=2, alpha=4, dropout=dropout, target_modules=targets)
+        return plan_inputs.spec_from_config("gpt2-lora", "config", config, lora=settings)
+
+    plain = layers(plan_inputs.spec_from_config("gpt2", "config", config))
+    on_attention, on_mlp = layers(adapted(("c_attn",))), layers(adapted(("c_fc",)))
+    assert plain > on_attention and plain > on_mlp  # frozen weights keep fewer inputs
+    assert on_attention != on_mlp
+    assert layers(adapted(("c_proj",), dropout=0.1)) > layers(adapted(("c_proj",)))
+    one_name = adapted(("c_fc",))
+    one_name = dataclasses.replace(one_name, lora={**one_name.lora, "target_modules": "c_fc"})
+    assert layers(one_name) == on_mlp

@@ -562,3 +562,32 @@ def test_zero2_contiguous_gradients_arrive_in_the_models_reverse_order():
         max(2 * _walk_zero2(groups, 2, r, 6, backward), _step_by_hand(groups, 2, r, 2))
         for r in range(2)
     )
+
+
+def test_zero_buffer_settings_for_one_gpu_unless_told_and_for_a_spec_without_groups():
+    """``buffer_settings``' world defaults to one GPU. It decides whether ZeRO-2 keeps
+    contiguous gradients: a parameter larger than the bucket (2^21 elements: hidden 16
+    squared is below DeepSpeed's floor) and than a quarter of this rank's partition is
+    reduced alone, beside its slot in the contiguous buffer, so dpkit turns both off.
+    100M parameters in five of 20M: a quarter of the partition is 25M on one GPU (20M
+    is not above it), 12.5M on two (it is). A spec without parameter groups (a report
+    from before they were recorded) has no largest parameter: the settings still come."""
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_embd=16, n_layer=1, n_head=2)
+    spec = plan_inputs.ModelSpec(
+        name="five-20M", source="config", num_params=100_000_000, config=config,
+        param_groups=((20_000_000,) * 5,),
+    )  # fmt: skip
+    assert plan.buffer_settings(spec)["contiguous_gradients"] is True
+    assert plan.buffer_settings(spec, 2)["contiguous_gradients"] is False
+    ungrouped = plan_inputs.ModelSpec(
+        name="ungrouped", source="config", num_params=100_000_000, config=config
+    )
+    assert plan.buffer_settings(ungrouped)["contiguous_gradients"] is True
+    # DDP's buckets mirror the gradients they are given; none given, none counted.
+    settings = {**plan.buffer_settings(spec), "gradient_as_bucket_view": False}
+    assert plan.buffer_bytes("ddp", spec, 2, "fp32", settings) == {"ddp_gradient_buckets": 0}
+    assert plan.buffer_bytes("ddp", spec, 2, "fp32", settings, 400.0) == {
+        "ddp_gradient_buckets": 400
+    }

@@ -430,3 +430,29 @@ def test_the_meta_classifier_has_the_loaded_classifiers_sizes(labels, tmp_path):
     )
     assert ModelSizes.of(meta_classifier(path, **kwargs)) == expected
     assert next(meta_classifier(path, **kwargs).parameters()).device.type == "meta"
+
+
+def test_the_meta_model_gets_the_attention_asked_for_whatever_its_head():
+    """``build_meta_model`` hands the attention implementation to each kind of model it
+    builds: a sequence classifier, and the bare model of a config without a causal-LM class
+    (DistilBERT); both kernels, since each model has a default of its own (BERT sdpa,
+    DistilBERT eager). A task naming no transformers class is refused in one line."""
+    from transformers import BertConfig, DistilBertConfig
+
+    from dpkit.models import build_meta_model
+
+    bert = BertConfig(
+        hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+        vocab_size=40,
+    )  # fmt: skip
+    distil = DistilBertConfig(dim=16, n_layers=1, n_heads=2, hidden_dim=32, vocab_size=40)
+    for attention in ("eager", "sdpa"):
+        classifier = build_meta_model(bert, attention, task="sequence_classification")
+        assert type(classifier).__name__ == "BertForSequenceClassification"
+        assert classifier.config._attn_implementation == attention
+        bare = build_meta_model(distil, attention)
+        assert type(bare).__name__ == "DistilBertModel"
+        assert bare.config._attn_implementation == attention
+    with pytest.raises(UsageError) as err:
+        build_meta_model(bert, task="NotAModel")
+    assert str(err.value) == "task='NotAModel': not a transformers model class"

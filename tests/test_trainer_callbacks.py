@@ -604,7 +604,10 @@ def test_a_deepspeed_run_is_read_from_its_engine_and_optimizer(
     """DeepSpeed ZeRO-2 in bf16 as the Trainer runs it (its engine as ``model_wrapped``,
     its ZeRO optimizer), on a one-rank gloo group in this process: the strategy and the
     precision come from DeepSpeed's optimizer (16-bit partitions), not from the
-    arguments, which ask for neither here."""
+    arguments, which ask for neither here; so does the optimizer's offload to the CPU
+    (ZeRO-Offload with torch's AdamW, allowed by ``zero_force_ds_cpu_optimizer``, where
+    DeepSpeed's own CPU Adam would be compiled first). Both engines on the one group:
+    DeepSpeed keeps the first group it is given for the rest of the process."""
     import json
 
     import deepspeed
@@ -618,40 +621,59 @@ def test_a_deepspeed_run_is_read_from_its_engine_and_optimizer(
         output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2, report_to="none"
     )
     monkeypatch.setenv("LOCAL_RANK", "0")  # DeepSpeed's check that a launcher started it
-    model = _tiny_bert()
-    config = {
-        "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": 2},
-        "bf16": {"enabled": True},
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
-    }
-    engine, optimizer, _, _ = deepspeed.initialize(
-        model=model, model_parameters=model.parameters(), config=config
-    )
-    phases, memory = StepPhasesCallback(), MemoryReportCallback(print_report=False)
-    trainer = _FakeTrainer(phases)
-    trainer.callback_handler.callbacks.append(memory)
-    trainer.model_wrapped = engine
-    state, control = TrainerState(max_steps=1), TrainerControl()
-    trainer.call_event("on_train_begin", args, state, control, model=model, optimizer=optimizer)
-    assert phases.phases.model is engine
-    batch = _token_examples(2)
-    inputs = torch.stack([example["input_ids"] for example in batch])
-    labels = torch.tensor([example["labels"] for example in batch])
-    engine.backward(engine(input_ids=inputs, labels=labels).loss)
-    engine.step()
-    state.global_step = 1
-    trainer.call_event("on_step_end", args, state, control)
-    trainer.call_event("on_train_end", args, state, control)
-    report = json.loads((tmp_path / "memory_report.json").read_text())
-    assert (report["strategy"], report["precision"]) == ("zero2", "bf16")
-    assert (report["optimizer"], report["offload_optimizer"]) == ("adamw", None)
-    assert report["model"]["class"] == "BertForSequenceClassification"
-    # By hand: the module's weights in bf16 (2 B each), DeepSpeed's fp32 master (4 B).
-    assert (report["measured"]["params"], report["measured"]["master"]) == (
-        2 * TINY_PSI,
-        4 * TINY_PSI,
-    )
+    # As every dpkit DeepSpeed run does: no shared-memory all-reduce op, which DeepSpeed's
+    # CPU backend would compile here under a lock file (a process stopped mid-build, as
+    # make mutate stops one at its time limit, leaves the lock and every later init hangs).
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
+
+    shm_op = get_accelerator().create_op_builder("ShareMemCommBuilder").NAME
+    compatible = deepspeed.ops.__compatible_ops__
+    monkeypatch.setitem(compatible, shm_op, compatible[shm_op])  # put back after the test
+    skip_deepspeed_cpu_shm_op()
+    for offload in (None, "cpu"):  # each run's report replaces the last one's
+        model = _tiny_bert()
+        config = {
+            "train_micro_batch_size_per_gpu": 2,
+            "zero_optimization": {"stage": 2},
+            "bf16": {"enabled": True},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        }
+        if offload:
+            config["zero_optimization"]["offload_optimizer"] = {"device": offload}
+            config["zero_force_ds_cpu_optimizer"] = False
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, model_parameters=model.parameters(), config=config
+        )
+        phases, memory = StepPhasesCallback(), MemoryReportCallback(print_report=False)
+        trainer = _FakeTrainer(phases)
+        trainer.callback_handler.callbacks.append(memory)
+        trainer.model_wrapped = engine
+        state, control = TrainerState(max_steps=1), TrainerControl()
+        trainer.call_event("on_train_begin", args, state, control, model=model, optimizer=optimizer)
+        assert phases.phases.model is engine
+        batch = _token_examples(2)
+        inputs = torch.stack([example["input_ids"] for example in batch])
+        labels = torch.tensor([example["labels"] for example in batch])
+        engine.backward(engine(input_ids=inputs, labels=labels).loss)
+        engine.step()
+        state.global_step = 1
+        trainer.call_event("on_step_end", args, state, control)
+        trainer.call_event("on_train_end", args, state, control)
+        report = json.loads((tmp_path / "memory_report.json").read_text())
+        assert (report["strategy"], report["precision"]) == ("zero2", "bf16")
+        assert (report["optimizer"], report["offload_optimizer"]) == ("adamw", offload)
+        assert report["model"]["class"] == "BertForSequenceClassification"
+        # The record's groups are the parameters DeepSpeed partitions (its bit16 groups:
+        # one group of the model's own, in order), not the flat partition it steps.
+        assert report["model"]["param_groups"] == [[p.numel() for p in model.parameters()]]
+        # By hand: the module's weights in bf16 (2 B each), DeepSpeed's fp32 master (4 B).
+        assert (report["measured"]["params"], report["measured"]["master"]) == (
+            2 * TINY_PSI,
+            4 * TINY_PSI,
+        )
 
 
 def test_both_callbacks_put_themselves_first_for_the_loggers(tmp_path):
@@ -785,8 +807,9 @@ def _one_step(model, optimizer) -> None:
 
 def test_the_memory_callback_driven_by_hand_reports_once_and_notes_what_it_missed(tmp_path):
     """The callback's events called by the test, not by a Trainer: it cannot find the
-    Trainer (so not DDP's buckets: a note says so); training stopped at step 1 of 5 is
-    reported when training ends; the scalars go out with one log line only."""
+    Trainer (so not DDP's buckets: a note says so); training stopped at step 3 of 5 (a
+    resumed run's first step here) is reported when training ends, its timeline under the
+    run's step; the scalars go out with one log line only."""
     import json
 
     from transformers import TrainerControl, TrainerState
@@ -806,13 +829,14 @@ def test_the_memory_callback_driven_by_hand_reports_once_and_notes_what_it_misse
     callback.on_train_begin(args, state, control, model=model, optimizer=optimizer)
     assert callback.tracker is not first_tracker
     _one_step(model, optimizer)
-    state.global_step = 1
+    state.global_step = 3  # a resumed run: this process's first step is the run's third
     callback.on_step_end(args, state, control)
     assert not (tmp_path / "memory_report.json").exists()  # not due: report_every=0
     assert control.should_log is False
-    callback.on_train_end(args, state, control)  # stopped at step 1 of 5
+    callback.on_train_end(args, state, control)  # stopped at step 3 of 5
     report = json.loads((tmp_path / "memory_report.json").read_text())
-    assert report["step"] == 1
+    assert report["step"] == 3
+    assert report["ranks"][0]["timeline"]["step"] == 3  # the run's count, not the process's
     assert report["ranks"][0]["params"] == 4 * TINY_PSI
     assert (
         "the Trainer was not found from the callback: DDP's reducer buckets are not counted"

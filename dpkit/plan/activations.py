@@ -296,9 +296,8 @@ def _trace_once(
     seen: set[int] = set()
     layers = _repeated_layers(model)
     per_layer = [0.0] * len(layers)
-    layer_inputs = [0.0] * len(layers)
-    state = {"layer": -1, "outside": 0.0}
-    where: dict[int, tuple[int, float]] = {}  # storage -> (layer or -1, bytes)
+    state: dict[str, Any] = {"layer": None, "outside": 0.0}  # layer None: outside them
+    where: dict[int, tuple[int | None, float]] = {}  # storage -> (layer, bytes)
 
     def pack(tensor: Any) -> Any:
         key = tensor.untyped_storage()._cdata
@@ -308,27 +307,24 @@ def _trace_once(
             seen.add(key)
             nbytes = float(tensor.untyped_storage().nbytes())
             where[key] = (state["layer"], nbytes)
-            if state["layer"] >= 0:
+            if state["layer"] is not None:
                 per_layer[state["layer"]] += nbytes
             else:
                 state["outside"] += nbytes
         return tensor
 
     def enter(index: int) -> Any:
-        def hook(module: Any, args: Any, kwargs: Any) -> None:
+        def hook(module: Any, args: Any) -> None:
             state["layer"] = index
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            if torch.is_tensor(hidden):
-                layer_inputs[index] = float(hidden.untyped_storage().nbytes())
 
         return hook
 
     def leave(module: Any, args: Any, output: Any) -> None:
-        state["layer"] = -1
+        state["layer"] = None
 
     handles = []
     for index, layer in enumerate(layers):
-        handles.append(layer.register_forward_pre_hook(enter(index), with_kwargs=True))
+        handles.append(layer.register_forward_pre_hook(enter(index)))
         handles.append(layer.register_forward_hook(leave))
     # The recipes' batches also carry an attention mask (and BERT's token type ids); a
     # padding mask cannot be built on meta (transformers inspects its values), and on
@@ -341,7 +337,7 @@ def _trace_once(
     try:
         with (
             quiet_transformers(),
-            _unpacked_sequences(),
+            _no_token_value_checks(),
             kernels,
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
         ):
@@ -352,11 +348,12 @@ def _trace_once(
     # Autocast's weight copies, a part of their own: they do not grow with the batch.
     weight_copies = 0.0
     for copy in kernels.weight_copies.values():
-        layer, nbytes = where.pop(copy.untyped_storage()._cdata, (None, 0.0))
-        if layer is None:
+        saved = where.pop(copy.untyped_storage()._cdata, None)
+        if saved is None:
             continue  # cast but not saved (a bias)
+        layer, nbytes = saved
         weight_copies += nbytes
-        if layer >= 0:
+        if layer is not None:
             per_layer[layer] -= nbytes
         else:
             state["outside"] -= nbytes
@@ -365,7 +362,6 @@ def _trace_once(
     return {
         "outside": state["outside"],
         "layers": per_layer,
-        "layer_inputs": layer_inputs,
         "logits_elements": float(logits.numel()) if logits_bytes else 0.0,
         "logits_bytes": logits_bytes,
         "weight_copies": weight_copies,
@@ -373,16 +369,26 @@ def _trace_once(
 
 
 @contextlib.contextmanager
-def _unpacked_sequences() -> Iterator[None]:
-    """Tell transformers the traced batch holds one sequence per row, as the recipes'
-    batches do. A decoder without a KV cache (train_lm's, a checkpointed one) reads its
-    position ids' values to find packed sequences, which the meta device has none of;
-    on real, unpacked ids the search finds none (``None``), which this answers."""
+def _no_token_value_checks() -> Iterator[None]:
+    """Skip the two checks transformers makes on the token ids' values, which the meta
+    device has none of (reading one raises), and which save nothing for backward.
+
+    A decoder without a KV cache (train_lm's, a checkpointed one) reads its position
+    ids to find packed sequences: the recipes' batches hold one sequence per row, where
+    the search finds none (``None``), which this answers. A model whose config has a
+    padding id (GPT-2's sequence classifier: the trace gives it one) looks for it in
+    the ids to warn about a missing attention mask: a warning only, skipped.
+    """
     from unittest import mock
 
-    from transformers import masking_utils
+    from transformers import PreTrainedModel, masking_utils
 
-    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None):
+    with (
+        mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda *a, **k: None),
+        mock.patch.object(
+            PreTrainedModel, "warn_if_padding_and_no_attention_mask", lambda *a, **k: None
+        ),
+    ):
         yield
 
 

@@ -262,12 +262,19 @@ def largest_micro_batch(
 
     if not fits(1):
         return 0
+    # Each loop doubles or halves within 1..MAX_MICRO_BATCH: it ends within this many
+    # steps, and is bounded by it so that no estimate can make it spin.
+    steps = MAX_MICRO_BATCH.bit_length()
     low, high = 1, 2
-    while high <= MAX_MICRO_BATCH and fits(high):
+    for _ in range(steps):
+        if high > MAX_MICRO_BATCH or not fits(high):
+            break
         low, high = high, high * 2
     if high > MAX_MICRO_BATCH:
         return MAX_MICRO_BATCH
-    while high - low > 1:  # fits(low) and not fits(high)
+    for _ in range(steps):  # fits(low) and not fits(high)
+        if high - low <= 1:
+            break
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low
