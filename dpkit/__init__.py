@@ -27,11 +27,11 @@ __version__ = "0.1.0"
 
 _EXPORTS: dict[str, str] = {
     # a run
-    "setup": "dpkit.train.run",
+    "setup": "dpkit.train.setup",
     "Run": "dpkit.train.run",
     "RunInfo": "dpkit.train.run",
     # flags
-    "parse_args": "dpkit.train.config",
+    "parse_args": "dpkit.train.parsing",
     "StrategyConfig": "dpkit.train.config",
     "ModelConfig": "dpkit.train.finetune_config",
     "DataConfig": "dpkit.train.finetune_config",
@@ -50,8 +50,8 @@ _EXPORTS: dict[str, str] = {
     "init_from": "dpkit.checkpoints.warm_start",
     "MemoryReport": "dpkit.memory.report",
     # strategies
-    "Strategy": "dpkit.strategy",
-    "STRATEGIES": "dpkit.strategy",
+    "Strategy": "dpkit.core.strategy",
+    "STRATEGIES": "dpkit.engines",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -349,7 +349,7 @@ def load_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
     (unexpected or resized weights, a missing backbone weight) keeps the table.
 
     The report is a warning of ``transformers.modeling_utils``, logged once per job: on
-    the other ranks transformers' warnings are off (:func:`dpkit.train.run.log_once_per_job`).
+    the other ranks transformers' warnings are off (:func:`dpkit.train.logs.log_once_per_job`).
     """
     model_logger = logging.getLogger("transformers.modeling_utils")
     held = _HeldRecords()

@@ -22,8 +22,8 @@ from dpkit.bench import cli as bench_cli
 from dpkit.bench import launch as bench
 from dpkit.bench import results as bench_results
 from dpkit.data import lm as lm_data
+from dpkit.engines import RUNNABLE, engine_of
 from dpkit.errors import UsageError
-from dpkit.strategy import RUNNABLE, get_strategy
 from tests.harness import FSDP2_RTOL, max_rel_diff
 
 NPROC = 2
@@ -304,7 +304,7 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         assert row["loss_max_rel_dev_vs_ddp"] == pytest.approx(deviation, abs=1e-12)
         assert max_rel_diff(raw_losses[bare], raw_losses[name]) < LOSS_RTOL, name
         # FSDP2: the same arithmetic as DDP's, and as fully_shard's.
-        if get_strategy(name).engine.name == "fsdp2":
+        if engine_of(name).name == "fsdp2":
             assert deviation <= FSDP2_RTOL, (name, deviation)
             assert max_rel_diff(raw_losses[bare], raw_losses[name]) <= FSDP2_RTOL, name
         # dpkit plan for each run, gradients laid out as DeepSpeed holds them: every

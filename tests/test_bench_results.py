@@ -17,7 +17,7 @@ import pytest
 
 from dpkit.bench import launch
 from dpkit.bench import results as bench_results
-from dpkit.strategy import get_strategy
+from dpkit.engines import get_strategy
 
 # The equivalence tolerances, argued where they were measured (never read from dpkit):
 # fp32 2e-3, tests/test_launchers.py (the bare stack's DDP drifted from DeepSpeed to ~3e-4

@@ -29,10 +29,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dpkit.checkpoints.state import TorchLossScaler
+from dpkit.core.loss_scale import TorchLossScaler
+from dpkit.engines import STRATEGIES, engine_of
 from dpkit.engines.deepspeed.checkpoint import DeepSpeedLossScaler
 from dpkit.errors import training_failure
-from dpkit.strategy import DDP, ZERO2
+
+DDP, ZERO2 = STRATEGIES["ddp"], STRATEGIES["zero2"]
 
 
 def _deepspeed_scaler(init_scale: float, min_scale: float, *, scale_window: int = 1000,
@@ -155,7 +157,7 @@ def _run(accelerator, output, position, info=None, strategy=DDP) -> SimpleNamesp
         position=position,
         info=info,
         strategy=strategy,
-        engine=strategy.engine,
+        engine=engine_of(strategy),
         memory=None,
     )
 
@@ -352,10 +354,10 @@ def test_of_finds_deepspeeds_dynamic_scaler_and_ignores_its_static_one():
 
     dynamic = _deepspeed_scaler(init_scale=2.0**16, min_scale=1)
     # The DeepSpeed engine finds the run's scaler (TrainingLog and checkpoints ask it).
-    found = ZERO2.engine.loss_scaler(accelerator_with(dynamic))
+    found = engine_of(ZERO2).loss_scaler(accelerator_with(dynamic))
     assert found is not None and found.kind == "deepspeed" and found.scale == 2.0**16
     # bf16 and fp32 ZeRO keep a static scaler of 1.0: nothing to log or save.
-    assert ZERO2.engine.loss_scaler(accelerator_with(StaticLossScaler(scale=1))) is None
+    assert engine_of(ZERO2).loss_scaler(accelerator_with(StaticLossScaler(scale=1))) is None
 
 
 # ---------------------------------------------------------------------------
@@ -376,16 +378,18 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from transformers import GPT2Config, GPT2LMHeadModel
     from dpkit.errors import training_failure
+    from dpkit.engines import STRATEGIES, engine_of
     from types import SimpleNamespace
     from dpkit.checkpoints.resume import find_resume as resolve_resume
     from dpkit.checkpoints.checkpointer import Checkpointer, Position
     from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
-    from dpkit.strategy import ZERO2
     from dpkit.train.progress import TrainingLog
-    from dpkit.train.run import RunInfo, log_once_per_job
+    from dpkit.train.run import RunInfo
+    from dpkit.train.logs import log_once_per_job
     from dpkit.train.output import RunOutput, read_jsonl
 
     FIELDS = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+    ZERO2 = STRATEGIES["zero2"]
     out = Path(sys.argv[1])
     skip_deepspeed_cpu_shm_op()
     plugin = DeepSpeedPlugin(hf_ds_config={
@@ -401,7 +405,7 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
     model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     engine = acc.deepspeed_engine_wrapped.engine
-    report = {"static_found": ZERO2.engine.loss_scaler(acc) is not None}
+    report = {"static_found": engine_of(ZERO2).loss_scaler(acc) is not None}
     engine.optimizer.loss_scaler = DynamicLossScaler(
         init_scale=1024, scale_window=1000, min_scale=1, delayed_shift=1,
         consecutive_hysteresis=False, dtype=torch.half)
@@ -415,7 +419,7 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
                    num_params=0)
     # What TrainingLog and Checkpointer read of a prepared dpkit.Run, from these pieces.
     run = SimpleNamespace(accelerator=acc, output=output, position=position, info=info,
-                          strategy=ZERO2, engine=ZERO2.engine, memory=None)
+                          strategy=ZERO2, engine=engine_of(ZERO2), memory=None)
     log = TrainingLog(run, total_steps=4, logging_steps=100)
     tokens = torch.arange(8).reshape(2, 4)
     for step, overflow in enumerate([False, True, False, True], 1):

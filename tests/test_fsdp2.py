@@ -19,9 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dpkit.engines import STRATEGIES, engine_of
 from dpkit.engines.fsdp2.shard import layer_classes
 from dpkit.errors import UsageError
-from dpkit.strategy import FSDP2_FULL_SHARD, FSDP2_SHARD_GRAD_OP
 from dpkit.train.config import StrategyConfig
 from dpkit.train.launcher import read_launch
 from dpkit.train.resolution import resolve
@@ -33,6 +33,9 @@ from tests.harness import (
     max_rel_diff,
     score_model_folder,
 )
+
+FSDP2_SHARD_GRAD_OP = STRATEGIES["fsdp2_shard_grad_op"]
+FSDP2_FULL_SHARD = STRATEGIES["fsdp2_full_shard"]
 
 # dpkit plan --against, every model-state category and the total. Measured on both modes'
 # runs (MiniLM, 2 ranks, fp32): parameters and gradients exact, master 0 predicted 0, the
@@ -72,9 +75,9 @@ def test_an_accelerate_fsdp2_yaml_picks_the_mode(reshard, expected):
     choice = launch_of("auto", None, _accelerate_fsdp_env(FSDP_RESHARD_AFTER_FORWARD=reshard))
     assert choice.strategy is expected
     assert choice.config_path is None and choice.world_size == 2
-    assert expected.engine.name == "fsdp2"
+    assert engine_of(expected).name == "fsdp2"
     # No fp32 master copy beside the module's own fp32 shards, even under bf16.
-    states = expected.engine.model_state_bytes(expected, 1000.0, 2, "bf16", "adamw", None)
+    states = engine_of(expected).model_state_bytes(expected, 1000.0, 2, "bf16", "adamw", None)
     assert states.master == 0
     assert expected.reshard_after_forward == (expected is FSDP2_FULL_SHARD)
 
@@ -350,7 +353,7 @@ _ONE_RANK_SCRIPT = """
 import json, torch
 from transformers import GPT2Config, GPT2LMHeadModel
 import dpkit
-from dpkit.memory.walk import walk
+from dpkit.core.walk import walk
 
 def model():
     torch.manual_seed(0)

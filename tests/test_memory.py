@@ -19,18 +19,18 @@ import pytest
 import torch
 
 from dpkit import memory
+from dpkit.core.walk import Ledger, walk
+from dpkit.engines import engine_of
 from dpkit.engines.ddp import settings as ddp_settings
 from dpkit.engines.deepspeed import settings as memory_settings
 from dpkit.engines.deepspeed.memory import straddling_params
 from dpkit.memory.report import MemoryReport, error_pct
 from dpkit.memory.tracker import MemoryTracker, count_params
-from dpkit.memory.walk import Ledger, walk
-from dpkit.strategy import get_strategy
 
 REPO = Path(__file__).resolve().parents[1]
 CPU = SimpleNamespace(process_index=0, device=torch.device("cpu"))
 # A plain module and a torch optimizer are walked by the engine that runs them (DDP's).
-TORCH = get_strategy("ddp").engine
+TORCH = engine_of("ddp")
 
 
 def _nbytes(params) -> float:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 
+from dpkit.core.units import ModelStateBytes, canonical_precision, dtype_bytes
 from dpkit.engines.ddp.settings import ddp_kwargs
 from dpkit.engines.deepspeed.settings import (
     bucket_elements,
@@ -18,9 +19,6 @@ from dpkit.engines.deepspeed.settings import (
 )
 from dpkit.engines.fsdp2 import layout as fsdp2_layout
 from dpkit.memory.analytic import (
-    ModelStateBytes,
-    canonical_precision,
-    dtype_bytes,
     full_replication_bytes,
     model_state_bytes,
     paper_grad_bytes,

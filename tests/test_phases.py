@@ -12,8 +12,9 @@ import time
 import pytest
 import torch
 
-from dpkit.memory.walk import inner_torch_optimizer
-from dpkit.train.phases import PHASES, StepPhases, ddp_timing
+from dpkit.core.walk import inner_torch_optimizer
+from dpkit.engines.ddp.timing import ddp_timing
+from dpkit.train.phases import PHASES, StepPhases
 
 # Sleeps, in seconds, one per phase, all different; SLACK bounds what else a phase may
 # hold (real work of a tiny model, a busy machine's scheduling delay) and is below the

@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 
 from dpkit import models
+from dpkit.core.spec import ModelSpec, PlanInputs
+from dpkit.engines import STRATEGIES
 from dpkit.errors import UsageError
 from dpkit.memory.analytic import model_state_bytes, paper_grad_bytes
 from dpkit.plan import activations
 from dpkit.plan import estimate as plan
 from dpkit.plan import inputs as plan_inputs
 from dpkit.plan.recommend import make_plan, recommendation_order
-from dpkit.strategy import STRATEGIES
 
 GIB = 2**30
 # Parameter counts of the bundled configs, as published for the Hugging Face
@@ -42,19 +43,19 @@ class _Specs(dict):
     """The published models' specs, each loaded when a test first asks for it (a test of
     one model does not wait for the others' meta-device counts)."""
 
-    def __missing__(self, name: str) -> plan_inputs.ModelSpec:
+    def __missing__(self, name: str) -> ModelSpec:
         self[name] = plan_inputs.load_model(name)
         return self[name]
 
 
 @pytest.fixture(scope="module")
-def specs() -> dict[str, plan_inputs.ModelSpec]:
+def specs() -> dict[str, ModelSpec]:
     return _Specs()
 
 
-def inputs_for(spec: plan_inputs.ModelSpec, **overrides) -> plan_inputs.PlanInputs:
+def inputs_for(spec: ModelSpec, **overrides) -> PlanInputs:
     settings = {"seq_len": min(spec.max_positions or 1024, 1024)} | overrides
-    return plan_inputs.PlanInputs(model=spec, **settings)
+    return PlanInputs(model=spec, **settings)
 
 
 # --- model states: the ZeRO paper, section 5 -----------------------------------------------
@@ -186,7 +187,7 @@ def test_bf16_ddp_plan_counts_autocast_weight_copies_that_a_real_forward_saves()
     spec = plan_inputs.spec_from_model("tiny-gpt2", "path", model, config=config)
     by_precision = {}
     for precision in ("bf16", "fp16", "fp32"):
-        inputs = plan_inputs.PlanInputs(
+        inputs = PlanInputs(
             model=spec, precision=precision, gpus_per_node=2, seq_len=24, micro_batch=3
         )
         rows = plan_dict(make_plan(inputs))["strategies"]
@@ -206,9 +207,9 @@ def test_mixed_precision_ddp_from_a_count_adds_the_weight_copies_to_its_total(pr
     4 (fp32 params) + 4 (fp32 grads, bucket views) + 8 (AdamW) + 2 (the 16-bit copies)
     bytes per parameter, and the reserve; in fp32, 16 bytes per parameter."""
     psi = 10**9
-    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=psi)
+    spec = ModelSpec(name="1B", source="count", num_params=psi)
     for prec, per_param in ((precision, 18), ("fp32", 16)):
-        inputs = plan_inputs.PlanInputs(model=spec, precision=prec, reserve=GIB)
+        inputs = PlanInputs(model=spec, precision=prec, reserve=GIB)
         row = make_plan(inputs).row("ddp")
         assert row.activations == (per_param - 16) * psi, prec
         assert row.total == per_param * psi + GIB, prec
@@ -303,9 +304,7 @@ def test_fsdp2_rows_hold_whole_parameters_in_the_compute_dtype(n, precision, exp
     spec = _small_layered_model()
     assert spec.num_params == 15 + 3 * 12
     assert spec.param_units == (-1, 0, 0, 1, 1, 2, 2)
-    inputs = plan_inputs.PlanInputs(
-        model=spec, gpus_per_node=n, precision=precision, seq_len=8, reserve=0
-    )
+    inputs = PlanInputs(model=spec, gpus_per_node=n, precision=precision, seq_len=8, reserve=0)
     settings = plan.buffer_settings(spec, n)
     for strategy, whole in (("fsdp2_shard_grad_op", "sgo"), ("fsdp2_full_shard", "fs")):
         row = plan.estimate(inputs, strategy, 1, None, settings)
@@ -326,8 +325,8 @@ def test_fsdp2_rows_hold_whole_parameters_in_the_compute_dtype(n, precision, exp
 def test_fsdp2_from_a_count_holds_the_whole_model_in_shard_grad_op_only():
     """A bare count has no layers: shard-grad-op's whole parameters are Psi in bf16, and
     full-shard's (about one layer) are not counted."""
-    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
-    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=8, seq_len=1024)
+    spec = ModelSpec(name="1B", source="count", num_params=10**9)
+    inputs = PlanInputs(model=spec, gpus_per_node=8, seq_len=1024)
     settings = plan.buffer_settings(spec, 8)
     shard_grad_op = plan.estimate(inputs, "fsdp2_shard_grad_op", 1, None, settings)
     full_shard = plan.estimate(inputs, "fsdp2_full_shard", 1, None, settings)
@@ -372,8 +371,8 @@ def test_the_table_notes_what_each_fsdp2_row_holds_whole(specs):
 def test_the_table_says_what_a_bare_count_leaves_out_of_fsdp2():
     from dpkit.plan.output import format_table
 
-    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
-    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=8, seq_len=1024)
+    spec = ModelSpec(name="1B", source="count", num_params=10**9)
+    inputs = PlanInputs(model=spec, gpus_per_node=8, seq_len=1024)
     lines = format_table(make_plan(inputs)).splitlines()
     assert (
         "  FSDP2 shard-grad-op: a bare --params has no layout: whole gradients not counted" in lines
@@ -427,8 +426,8 @@ def test_zero2_offload_matches_deepspeed_estimator(psi, gpus_per_node, specs):
     )
     states = model_state_bytes(psi, "zero2_offload", n, "bf16", "cpu_adam")
     assert states.params == ds_gpu
-    spec = plan_inputs.ModelSpec(name=str(psi), source="count", num_params=psi)
-    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=n, seq_len=1024)
+    spec = ModelSpec(name=str(psi), source="count", num_params=psi)
+    inputs = PlanInputs(model=spec, gpus_per_node=n, seq_len=1024)
     row = plan.estimate(inputs, "zero2_offload", 1, None, plan.buffer_settings(spec))
     assert n * row.host_offload == ds_cpu
 
@@ -527,7 +526,7 @@ def test_trace_reproduces_the_paper_on_a_paper_shaped_gpt():
         n_layer=layers, n_embd=h, n_head=heads, vocab_size=1000, n_positions=s,
         activation_function="gelu",
     )  # fmt: skip
-    spec = plan_inputs.ModelSpec(name="paper-gpt", source="path", num_params=1, config=config)
+    spec = ModelSpec(name="paper-gpt", source="path", num_params=1, config=config)
     traced = activations.trace_profile(spec, s, "bf16", checkpointing=False, attention="eager")
     expected = layers * s * h * (34 + 5 * heads * s / h)
     assert traced.per_sample["layers"] == pytest.approx(expected, rel=0.01)
@@ -578,7 +577,7 @@ def test_trace_matches_a_real_forward(family, attention, micro_batch):
             hidden_size=128, intermediate_size=344, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=4, vocab_size=512, max_position_embeddings=64,
         )  # fmt: skip
-    spec = plan_inputs.ModelSpec(name=family, source="path", num_params=1, config=config)
+    spec = ModelSpec(name=family, source="path", num_params=1, config=config)
     traced = activations.trace_profile(spec, 64, "bf16", checkpointing=False, attention=attention)
     parts = traced.parts(micro_batch)
     saved = sum(parts.values()) - parts["logits_peak"]  # the logits peak is not a saved tensor
@@ -598,7 +597,7 @@ def _gpt2_with_dropout():
         n_layer=2, n_embd=128, n_head=4, vocab_size=512, n_positions=64,
         resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    return config, plan_inputs.ModelSpec(name="gpt2", source="path", num_params=1, config=config)
+    return config, ModelSpec(name="gpt2", source="path", num_params=1, config=config)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
@@ -647,7 +646,7 @@ def test_checkpointing_and_sequence_length_move_activations_the_right_way(specs)
     from transformers import GPT2Config
 
     config = GPT2Config(**{**specs["gpt2-medium"].config.to_dict(), "n_layer": 4})
-    spec = plan_inputs.ModelSpec(name="gpt2-medium-4", source="path", num_params=1, config=config)
+    spec = ModelSpec(name="gpt2-medium-4", source="path", num_params=1, config=config)
     full = activations.trace_profile(spec, 1024, "bf16", checkpointing=False, attention="sdpa")
     checkpointed = activations.trace_profile(
         spec, 1024, "bf16", checkpointing=True, attention="sdpa"
@@ -664,8 +663,8 @@ def test_checkpointing_and_sequence_length_move_activations_the_right_way(specs)
 
 
 def test_bare_parameter_count_has_no_activations():
-    spec = plan_inputs.ModelSpec(name="1.5B", source="count", num_params=1_500_000_000)
-    result = make_plan(plan_inputs.PlanInputs(model=spec, gpu_memory=80 * GIB))
+    spec = ModelSpec(name="1.5B", source="count", num_params=1_500_000_000)
+    result = make_plan(PlanInputs(model=spec, gpu_memory=80 * GIB))
     assert result.activations is None
     assert all(v is None for v in result.largest_micro_batches.values())
 
@@ -718,8 +717,8 @@ def test_fsdp2_is_recommended_where_zero2_does_not_fit_before_offload():
     2 + 0.75 + 1 + 0.5 + 0.25 (its step's flat copy) GB and DeepSpeed's 1 GB reduce bucket,
     5.5 GB before the reserve; FSDP2 shard-grad-op 16/8 GB of states and 2 GB of whole bf16
     parameters, 4 GB, which fits; ZeRO-2 offload fits too but is only shown for reference."""
-    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
-    result = make_plan(plan_inputs.PlanInputs(model=spec, gpu_memory=7 * GIB, seq_len=1024))
+    spec = ModelSpec(name="1B", source="count", num_params=10**9)
+    result = make_plan(PlanInputs(model=spec, gpu_memory=7 * GIB, seq_len=1024))
     assert result.row("zero2").total == 5.5e9 + 2 * GIB
     assert result.row("fsdp2_shard_grad_op").total == 4e9 + 2 * GIB
     assert result.fits(result.row("zero2_offload"))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 
+from dpkit.core.spec import ModelSpec
 from dpkit.errors import UsageError
 from dpkit.plan import activations
 from dpkit.plan import inputs as plan_inputs
@@ -46,14 +47,14 @@ def test_formula_terms_one_flag_at_a_time(change, expected):
     assert activations.formula_layer_bytes(S, H, HEADS, **change) == pytest.approx(expected)
 
 
-def _gpt2_spec(**config_changes) -> plan_inputs.ModelSpec:
+def _gpt2_spec(**config_changes) -> ModelSpec:
     from transformers import GPT2Config
 
     config = GPT2Config(
         n_layer=3, n_embd=16, n_head=2, vocab_size=50, n_positions=32, bos_token_id=0,
         eos_token_id=0, **config_changes,
     )  # fmt: skip
-    return plan_inputs.ModelSpec(name="gpt2-tiny", source="path", num_params=1, config=config)
+    return ModelSpec(name="gpt2-tiny", source="path", num_params=1, config=config)
 
 
 def test_formula_profile_of_a_small_gpt2():
@@ -110,9 +111,7 @@ def test_formula_profile_reads_the_llama_names_of_the_same_shapes():
         hidden_size=16, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=24, vocab_size=40, max_position_embeddings=32,
     )  # fmt: skip
-    spec = plan_inputs.ModelSpec(
-        name="llama-tiny", source="path", num_params=1, config=config, gated_mlp=True
-    )
+    spec = ModelSpec(name="llama-tiny", source="path", num_params=1, config=config, gated_mlp=True)
     profile = activations.formula_profile(spec, 8, "bf16", False, "sdpa")
     sh = 8 * 16
     assert profile.per_sample == {
@@ -147,9 +146,7 @@ def test_a_model_the_meta_device_cannot_run_falls_back_to_the_formula(monkeypatc
     # ...unless the config lacks what the formula needs: one line, the model named.
     from transformers import PretrainedConfig
 
-    shapeless = plan_inputs.ModelSpec(
-        name="odd", source="path", num_params=1, config=PretrainedConfig()
-    )
+    shapeless = ModelSpec(name="odd", source="path", num_params=1, config=PretrainedConfig())
     with pytest.raises(UsageError) as err:
         activations.activation_profile(shapeless, 8, "bf16", False, "eager")
     # (The formula's error is Python's, multiplying the missing layer count.)
@@ -164,7 +161,7 @@ def test_a_model_the_meta_device_cannot_run_falls_back_to_the_formula(monkeypatc
     assert asked.per_sample == checkpointed
     fused = activations.activation_profile(spec, 8, "bf16", True, "sdpa", method="formula")
     assert fused.per_sample["one_layer"] == layer - 2 * 64 * 5  # no eager scores
-    count = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
+    count = ModelSpec(name="1B", source="count", num_params=10**9)
     assert activations.activation_profile(count, 8, "bf16", False) is None
 
 
@@ -234,9 +231,7 @@ def test_formula_profile_reads_each_family_of_config_names(names, dropout):
     from types import SimpleNamespace
 
     hidden, attention, embedding = dropout
-    spec = plan_inputs.ModelSpec(
-        name="ns", source="path", num_params=1, config=SimpleNamespace(**names)
-    )
+    spec = ModelSpec(name="ns", source="path", num_params=1, config=SimpleNamespace(**names))
     profile = activations.formula_profile(spec, 8, "bf16", False, "eager")
     sh = 8 * 16
     layer = 16 * sh + 2 * 2 * 8 * 64 + 2 * 64 * 2
@@ -280,7 +275,7 @@ def test_a_classifiers_loss_is_traced_with_the_labels_its_head_takes(problem_typ
         vocab_size=40, max_position_embeddings=32, num_labels=num_labels,
         problem_type=problem_type,
     )  # fmt: skip
-    spec = plan_inputs.ModelSpec(
+    spec = ModelSpec(
         name="bert-tiny", source="path", num_params=1, config=config,
         task="sequence_classification",
     )  # fmt: skip

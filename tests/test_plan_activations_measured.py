@@ -26,6 +26,8 @@ import sys
 import pytest
 import torch
 
+from dpkit.core.spec import PlanInputs
+from dpkit.engines import engine_of
 from dpkit.memory.probes import _SavedActivations
 from dpkit.plan import activations, estimate
 from dpkit.plan import inputs as plan_inputs
@@ -121,7 +123,7 @@ def plan_row(config, class_name, precision, strategy, micro_batch, seq_len, chec
         spec, seq_len, precision, checkpointing, "sdpa", device="cpu"
     )
     assert profile.method == "trace", profile.note  # not the formula's fallback
-    inputs = plan_inputs.PlanInputs(
+    inputs = PlanInputs(
         model=spec, gpus_per_node=1, precision=precision, micro_batch=micro_batch,
         seq_len=seq_len,
     )  # fmt: skip
@@ -186,12 +188,11 @@ def test_a_decoder_without_a_kv_cache_is_traced():
 def test_planned_buffers_match_the_walk(model_name):
     """One process, DDP's plan with gradients as bucket views (dpkit's setting): the only
     buffers are the module's own, which the walk counts under ``buffers``."""
-    from dpkit.memory.walk import walk
-    from dpkit.strategy import get_strategy
+    from dpkit.core.walk import walk
 
     model, config, class_name = _real_model(MODELS[model_name])
     optimizer = torch.optim.AdamW(model.parameters())
-    measured = walk(get_strategy("ddp").engine, model, optimizer)["buffers"]
+    measured = walk(engine_of("ddp"), model, optimizer)["buffers"]
     own = sum(b.numel() * b.element_size() for b in model.buffers())  # written out: the truth
     assert measured == own
     row = plan_row(config, class_name, "fp32", "ddp", 8, SEQ_LEN)

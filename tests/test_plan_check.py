@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from dpkit.core.spec import ModelSpec, PlanInputs
 from dpkit.errors import UsageError
 from dpkit.plan import inputs as plan_inputs
 from dpkit.plan.check import PlanCheck, check_dict, check_run, format_check
@@ -548,8 +549,8 @@ def test_the_peak_is_compared_only_where_every_rank_reports_a_device_high_water(
     from dpkit.plan.check import _peak
     from dpkit.plan.recommend import make_plan
 
-    spec = plan_inputs.ModelSpec(name="1B", source="count", num_params=10**9)
-    row = make_plan(plan_inputs.PlanInputs(model=spec, gpu_memory=80 * 10**9)).row("ddp")
+    spec = ModelSpec(name="1B", source="count", num_params=10**9)
+    row = make_plan(PlanInputs(model=spec, gpu_memory=80 * 10**9)).row("ddp")
     gpu = {"ranks": [{"peak": {"max_allocated": 3.0e9}}, {"peak": {"max_allocated": 5.0e9}}]}
     assert _peak(gpu, row) == (row.total - row.reserve, 5.0e9, "")
     assert row.reserve > 0 and row.total - row.reserve < row.total

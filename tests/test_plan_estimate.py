@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import pytest
 
+from dpkit.core.spec import ModelSpec, PlanInputs
+from dpkit.core.units import format_gib
+from dpkit.engines import engine_of
 from dpkit.errors import UsageError
 from dpkit.plan import estimate as plan
 from dpkit.plan import inputs as plan_inputs
 from dpkit.plan.activations import ActivationProfile
-from dpkit.plan.recommend import Plan, format_gib, make_plan
+from dpkit.plan.recommend import Plan, make_plan
 
 GB = 10**9
 PSI = 10**9
@@ -34,11 +37,11 @@ BY_HAND = {
     "ddp": 18 * GB, "zero1": 6.75 * GB, "zero2": 5.5 * GB, "fsdp2_shard_grad_op": 4 * GB,
     "fsdp2_full_shard": 2 * GB, "zero2_offload": 3.25 * GB, "zero3": 3.6 * GB,
 }  # fmt: skip
-COUNT = plan_inputs.ModelSpec(name="1B", source="count", num_params=PSI)
+COUNT = ModelSpec(name="1B", source="count", num_params=PSI)
 
 
-def _count_inputs(**overrides) -> plan_inputs.PlanInputs:
-    return plan_inputs.PlanInputs(model=COUNT, reserve=0, headroom=0.0, **overrides)
+def _count_inputs(**overrides) -> PlanInputs:
+    return PlanInputs(model=COUNT, reserve=0, headroom=0.0, **overrides)
 
 
 def test_every_row_of_a_count_by_hand():
@@ -151,7 +154,7 @@ def test_nothing_fits_before_activations_names_the_count_and_the_smallest_need()
     )
 
 
-def _linear_spec(name: str = "linear") -> plan_inputs.ModelSpec:
+def _linear_spec(name: str = "linear") -> ModelSpec:
     import torch
 
     return plan_inputs.spec_from_model(name, "path", torch.nn.Linear(8, 3))
@@ -165,7 +168,7 @@ def test_nothing_fits_at_this_micro_batch_asks_for_less_activation_memory(monkey
 
     profile = ActivationProfile("trace", {"layers": 1e4}, {"layers": 0.0}, {"layers": 1e4})
     monkeypatch.setattr(recommend, "activation_profile", lambda *args: profile)
-    inputs = plan_inputs.PlanInputs(
+    inputs = PlanInputs(
         model=_linear_spec(), precision="fp32", gpu_memory=2000, reserve=0, headroom=0.5,
         gpus_per_node=2, micro_batch=2,
     )  # fmt: skip
@@ -175,7 +178,7 @@ def test_nothing_fits_at_this_micro_batch_asks_for_less_activation_memory(monkey
     assert message.startswith("--micro-batch=2: fits under no strategy on 2 x 0.0 GiB; ")
     assert message.endswith("lower --micro-batch or --seq-len, or add --activation-checkpointing")
     # States that do not fit even without activations: the model's flag.
-    big = plan_inputs.PlanInputs(
+    big = PlanInputs(
         model=_linear_spec("big"), precision="fp32", gpu_memory=400, reserve=0, headroom=0.0,
         gpus_per_node=2,
     )  # fmt: skip
@@ -200,7 +203,7 @@ def test_the_plan_traces_the_attention_and_method_asked_for():
 
     def planned(**changes) -> Plan:
         return make_plan(
-            plan_inputs.PlanInputs(
+            PlanInputs(
                 model=spec, seq_len=64, precision="fp32", gpus_per_node=2, reserve=0,
                 headroom=0.0, **changes,
             )
@@ -226,8 +229,8 @@ def test_format_gib_rounds_to_one_decimal():
 # --- the largest micro-batch: doubling, then bisecting, on the estimate itself ------------------
 
 
-def _ddp_linear_inputs(gpu_memory: int) -> plan_inputs.PlanInputs:
-    return plan_inputs.PlanInputs(
+def _ddp_linear_inputs(gpu_memory: int) -> PlanInputs:
+    return PlanInputs(
         model=_linear_spec(), precision="fp32", gpu_memory=gpu_memory, reserve=0, headroom=0.0,
         gpus_per_node=2,
     )  # fmt: skip
@@ -262,7 +265,7 @@ def test_largest_micro_batch_is_the_boundary_worked_by_hand(gpu_memory, largest)
     assert found == largest and type(found) is int  # a batch size, whatever the bisection
     assert plan.largest_micro_batch(inputs, "ddp", None, settings) is None
     # cpu_adam cannot run under DDP: nothing fits.
-    cpu_adam = plan_inputs.PlanInputs(
+    cpu_adam = PlanInputs(
         model=inputs.model, precision="fp32", optimizer="cpu_adam", gpu_memory=gpu_memory,
         reserve=0, headroom=0.0, gpus_per_node=2,
     )  # fmt: skip
@@ -302,14 +305,14 @@ def test_frozen_parameters_are_held_gathered_and_cast_but_get_no_gradient():
     """A LoRA-shaped model by hand on 2 ranks, fp32 AdamW: one trainable (3, 4) weight in
     layer 0, one frozen (9, 2) weight in the root, 24 bytes of module buffers. FSDP2 pads
     dim 0 to a multiple of 2 per parameter: shards of 2x4 = 8 and 5x2 = 10 elements."""
-    spec = plan_inputs.ModelSpec(
+    spec = ModelSpec(
         name="lora-by-hand", source="count", num_params=12, frozen_params=18,
         param_shapes=((3, 4), (9, 2)), trainable=(True, False), param_units=(0, -1),
         module_buffer_bytes=24,
     )  # fmt: skip
 
     def estimate(strategy: str, precision: str) -> plan.StrategyEstimate:
-        inputs = plan_inputs.PlanInputs(
+        inputs = PlanInputs(
             model=spec, gpus_per_node=2, precision=precision, reserve=0, headroom=0.0
         )
         return plan.estimate(inputs, strategy, 1, None, plan.buffer_settings(spec, 2))
@@ -333,15 +336,15 @@ def test_frozen_parameters_are_held_gathered_and_cast_but_get_no_gradient():
     assert ddp.activation_parts == {"autocast_weight_copies": 2 * 30}
     assert ddp.buffer_parts["module_buffers"] == 24
     # A bare count has no layout: shard-grad-op's whole parameters, frozen ones too.
-    count = plan_inputs.ModelSpec(name="n", source="count", num_params=12, frozen_params=18)
-    bare = plan_inputs.PlanInputs(model=count, gpus_per_node=2, precision="fp32")
+    count = ModelSpec(name="n", source="count", num_params=12, frozen_params=18)
+    bare = PlanInputs(model=count, gpus_per_node=2, precision="fp32")
     settings = plan.buffer_settings(count, 2)
     row = plan.estimate(bare, "fsdp2_shard_grad_op", 1, None, settings)
     assert row.buffer_parts == {"fsdp2_whole_params": 4 * (12 + 18)}
 
 
 def test_buffers_by_engine_and_setting():
-    spec = plan_inputs.ModelSpec(
+    spec = ModelSpec(
         name="x", source="count", num_params=1000, largest_layer_params=300,
         small_tensor_params=40,
     )  # fmt: skip
@@ -374,7 +377,7 @@ def test_zero_buffers_follow_the_parameter_layout():
     and either way the flat copy of the fullest bucket made to reduce it (measured: GPT-2
     124M, 2 ranks, a 2^21 bucket, contiguous off: 1,771,776 elements, the only buffer).
     ZeRO-2 reduces in backward's order (the model's reversed), ZeRO-1 in group order."""
-    spec = plan_inputs.ModelSpec(
+    spec = ModelSpec(
         name="x", source="count", num_params=355, param_groups=((60, 30, 150, 20), (5, 90)),
         param_order=((0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)),
     )  # fmt: skip
@@ -391,7 +394,7 @@ def test_zero_buffers_follow_the_parameter_layout():
         "reduce_bucket": 0, "reduce_flat_copy": 4 * 95
     }  # fmt: skip
     # Without the model's own order (a spec of groups only), backward reverses the groups.
-    unordered = plan_inputs.ModelSpec(name="x", source="count", num_params=355,
+    unordered = ModelSpec(name="x", source="count", num_params=355,
                                       param_groups=spec.param_groups)  # fmt: skip
     assert plan.buffer_bytes("zero2", unordered, 2, "fp32", settings)["reduce_flat_copy"] == 4 * 95
     overlap = settings | {"overlap_comm": True}  # two buckets, one copy at a time
@@ -422,11 +425,11 @@ def test_the_worst_ranks_backward_and_step_may_be_on_different_ranks():
     holds the unreduced 16 (over the bucket) in backward: 4 x 32 = 128 B; at its step the
     flat copy of its partition (two tensors) beside its 16 whole: 128 B. Rank 1 owns the
     16: backward 64 B; its step (last rank, a copy) 4 x (16 + 16) = 128 B."""
-    spec = plan_inputs.ModelSpec(
+    spec = ModelSpec(
         name="x", source="path", num_params=32, param_groups=((12, 4, 16),),
         param_order=((0, 0), (0, 1), (0, 2)),
     )  # fmt: skip
-    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=2, precision="fp32", reserve=0)
+    inputs = PlanInputs(model=spec, gpus_per_node=2, precision="fp32", reserve=0)
     settings = plan.buffer_settings(spec, 2) | {
         "reduce_bucket_size": 13,
         "contiguous_gradients": False,
@@ -439,7 +442,7 @@ def test_the_worst_ranks_backward_and_step_may_be_on_different_ranks():
     assert row.step_parts == {}  # the step's copy is in the laid-out gradients
     # Two micro-batches a step: rank 0 holds its accumulated 16 whole gradients beside a
     # later backward's 16 and unreduced 16: 4 x 48.
-    two = plan_inputs.PlanInputs(
+    two = PlanInputs(
         model=spec, gpus_per_node=2, precision="fp32", reserve=0, gradient_accumulation_steps=2
     )
     assert plan.estimate(two, "zero2", 1, None, settings).grads_backward == 4 * 48
@@ -452,12 +455,12 @@ def test_the_worst_ranks_backward_and_step_may_be_on_different_ranks():
 
 def test_why_zero3_points_to_a_config_of_ones_own():
     """ZeRO-3 comes last (dpkit runs DeepSpeed up to ZeRO-2): chosen, the reason says so."""
-    from dpkit.strategy import get_strategy
+    from dpkit.engines import get_strategy
 
     inputs = _count_inputs(gpu_memory=100 * GB)
     row = make_plan(inputs).row("zero3")
     zero3 = get_strategy("zero3")
-    assert zero3.engine.why(zero3, row, inputs) == (
+    assert engine_of(zero3).why(zero3, row, inputs) == (
         "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
         "backward (1.5x DDP's communication). dpkit runs DeepSpeed up to ZeRO-2, and FSDP2 "
         "full-shard does not fit; ZeRO-3 needs a DeepSpeed config of your own."
@@ -485,8 +488,8 @@ def test_nothing_fits_blames_activations_only_when_the_rest_fits(usable, flag):
     )  # fmt: skip
     larger = StrategyEstimate("ddp", True, params=10**6)
     cannot = StrategyEstimate("zero2_offload", False)
-    inputs = plan_inputs.PlanInputs(
-        model=plan_inputs.ModelSpec(name="tiny", source="path", num_params=1),
+    inputs = PlanInputs(
+        model=ModelSpec(name="tiny", source="path", num_params=1),
         gpu_memory=usable, reserve=0, headroom=0.0,
     )  # fmt: skip
     message = str(_nothing_fits(inputs, [larger, cannot, row]))
@@ -494,10 +497,10 @@ def test_nothing_fits_blames_activations_only_when_the_rest_fits(usable, flag):
     assert "the smallest need is ZeRO-2 at 0.0 GiB per GPU" in message
 
 
-def _layout_spec(groups, order, hidden=4096, **extra) -> plan_inputs.ModelSpec:
+def _layout_spec(groups, order, hidden=4096, **extra) -> ModelSpec:
     from types import SimpleNamespace
 
-    return plan_inputs.ModelSpec(
+    return ModelSpec(
         name="layout", source="path", num_params=sum(map(sum, groups)),
         config=SimpleNamespace(hidden_size=hidden), param_groups=groups, param_order=order,
         **extra,
@@ -539,7 +542,7 @@ def test_zero2_contiguous_gradients_arrive_in_the_models_reverse_order():
     groups = ((12, 8), (3, 5))  # w1 4x3, w2 2x4; b1 3, b2 5 (sizes only)
     order = ((0, 0), (1, 0), (0, 1), (1, 1))
     spec = _layout_spec(groups, order)
-    inputs = plan_inputs.PlanInputs(model=spec, gpus_per_node=2, precision="fp32", reserve=0)
+    inputs = PlanInputs(model=spec, gpus_per_node=2, precision="fp32", reserve=0)
     settings = plan.buffer_settings(spec, 2) | {
         "reduce_bucket_size": 6,
         "contiguous_gradients": True,
@@ -556,7 +559,7 @@ def test_zero2_contiguous_gradients_arrive_in_the_models_reverse_order():
         4 * _walk_zero2(groups, 2, r, 6, backward) for r in range(2)
     )
     # The same layout in bf16: 2-byte gradients, and the step's fp32 cast.
-    bf16 = plan_inputs.PlanInputs(model=spec, gpus_per_node=2, precision="bf16", reserve=0)
+    bf16 = PlanInputs(model=spec, gpus_per_node=2, precision="bf16", reserve=0)
     row16 = plan.estimate(bf16, "zero2", 1, None, settings)
     assert row16.grads == max(
         max(2 * _walk_zero2(groups, 2, r, 6, backward), _step_by_hand(groups, 2, r, 2))
@@ -575,15 +578,13 @@ def test_zero_buffer_settings_for_one_gpu_unless_told_and_for_a_spec_without_gro
     from transformers import GPT2Config
 
     config = GPT2Config(n_embd=16, n_layer=1, n_head=2)
-    spec = plan_inputs.ModelSpec(
+    spec = ModelSpec(
         name="five-20M", source="config", num_params=100_000_000, config=config,
         param_groups=((20_000_000,) * 5,),
     )  # fmt: skip
     assert plan.buffer_settings(spec)["contiguous_gradients"] is True
     assert plan.buffer_settings(spec, 2)["contiguous_gradients"] is False
-    ungrouped = plan_inputs.ModelSpec(
-        name="ungrouped", source="config", num_params=100_000_000, config=config
-    )
+    ungrouped = ModelSpec(name="ungrouped", source="config", num_params=100_000_000, config=config)
     assert plan.buffer_settings(ungrouped)["contiguous_gradients"] is True
     # DDP's buckets mirror the gradients they are given; none given, none counted.
     settings = {**plan.buffer_settings(spec), "gradient_as_bucket_view": False}

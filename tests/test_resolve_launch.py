@@ -490,7 +490,7 @@ def test_more_ranks_than_gpus_is_refused_on_cuda_only():
     ],
 )
 def test_accelerate_without_a_backend_is_told_by_its_use_flags(flags, plain):
-    from dpkit.train.launcher import uses_accelerate_without_backend
+    from dpkit.core.launch import uses_accelerate_without_backend
 
     assert uses_accelerate_without_backend({"ACCELERATE_DYNAMO_BACKEND": "NO", **flags}) is plain
     # Not accelerate at all (torchrun sets no ACCELERATE_DYNAMO_BACKEND).

@@ -27,6 +27,7 @@ from transformers import (
 
 from dpkit.checkpoints.folder import TrainerState
 from dpkit.checkpoints.resume import check_same_model, model_name
+from dpkit.engines import engine_of
 from dpkit.errors import UsageError
 
 LABELS = {0: "rotten", 1: "fresh"}  # the recipe's Rotten Tomatoes labels, sorted ids
@@ -180,8 +181,6 @@ def test_a_resume_restores_the_checkpoints_weights_into_a_model_loaded_elsewhere
     checkpoint's weights, not the pretrained ones."""
     from safetensors.torch import load_file
 
-    from dpkit.strategy import get_strategy
-
     config = GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=32)
     torch.manual_seed(0)
     trained = GPT2LMHeadModel(config)
@@ -191,7 +190,7 @@ def test_a_resume_restores_the_checkpoints_weights_into_a_model_loaded_elsewhere
     trained.save_pretrained(tmp_path / "ck")
     torch.manual_seed(0)
     fresh = GPT2LMHeadModel(config)
-    engine = get_strategy("ddp").engine
+    engine = engine_of("ddp")
     engine.load_weights(None, fresh, load_file(str(tmp_path / "ck" / "model.safetensors")))
     for (name, got), (_, want) in zip(
         fresh.named_parameters(), trained.named_parameters(), strict=True

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from dpkit.engines import STRATEGIES, offloaded
 from dpkit.engines.deepspeed.config import fill_deepspeed_config
 from dpkit.errors import UsageError
 from dpkit.models import ModelSizes
@@ -279,11 +280,13 @@ def test_lr_scaling_rules():
 
 
 def test_the_offload_variant_of_each_strategy():
-    from dpkit.strategy import DDP, ZERO1, ZERO2, ZERO2_OFFLOAD
+    DDP, ZERO1, ZERO2, ZERO2_OFFLOAD = (
+        STRATEGIES[n] for n in ("ddp", "zero1", "zero2", "zero2_offload")
+    )
 
-    assert ZERO2.offloaded() is ZERO2_OFFLOAD and ZERO2_OFFLOAD.offloaded() is ZERO2_OFFLOAD
-    assert ZERO1.offloaded() is ZERO1  # no ZeRO-1 offload row: planned as ZeRO-1
-    assert DDP.offloaded() is DDP
+    assert offloaded(ZERO2) is ZERO2_OFFLOAD and offloaded(ZERO2_OFFLOAD) is ZERO2_OFFLOAD
+    assert offloaded(ZERO1) is ZERO1  # no ZeRO-1 offload row: planned as ZeRO-1
+    assert offloaded(DDP) is DDP
 
 
 # ---- a model that leaves parameters out of the loss ------------------------------------------

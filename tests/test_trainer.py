@@ -743,13 +743,13 @@ def test_the_callbacks_refusal_is_one_line_without_run_and_exit(no_launcher, cap
 def test_what_runs_is_read_from_the_prepared_model_and_optimizer():
     import torch
 
+    from dpkit.engines import REFERENCE as DDP
     from dpkit.integrations.transformers import (
         optimizer_groups,
         optimizer_name,
         precision_running,
         strategy_running,
     )
-    from dpkit.strategy import DDP
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 1))
     first, second = list(model[0].parameters()), list(model[1].parameters())

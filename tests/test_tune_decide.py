@@ -596,7 +596,7 @@ def test_the_plan_predicts_fsdp2_with_padded_shards_as_dpkit_plan_does():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from dpkit.plan.inputs import PlanInputs
+    from dpkit.core.spec import PlanInputs
     from dpkit.plan.recommend import make_plan
 
     settings = replace(
@@ -681,7 +681,7 @@ def test_the_plan_predicts_each_candidate_with_its_own_settings():
     import copy
     from dataclasses import replace
 
-    from dpkit.plan.inputs import PlanInputs
+    from dpkit.core.spec import PlanInputs
     from dpkit.plan.recommend import make_plan
 
     # The tiny GPT-2 (its 2^21-element embedding fits dpkit's 2^21 bucket, so contiguous
@@ -962,7 +962,7 @@ def test_the_plan_predicts_a_checkpointed_candidate_as_dpkit_plan_does():
     insides), so less than the plain candidate's."""
     from dataclasses import replace
 
-    from dpkit.plan.inputs import PlanInputs
+    from dpkit.core.spec import PlanInputs
     from dpkit.plan.recommend import make_plan
 
     settings = replace(_lm_settings("small", device="cuda"),

@@ -21,8 +21,8 @@ from dpkit.checkpoints.consolidate import stream_to_model_folder
 from dpkit.checkpoints.folder import verify_checkpoint
 from dpkit.checkpoints.resume import check_same_model
 from dpkit.checkpoints.warm_start import check_init_from, init_from
+from dpkit.engines import STRATEGIES, engine_of
 from dpkit.errors import UsageError
-from dpkit.strategy import STRATEGIES
 from dpkit.train.output import RunOutput, read_jsonl
 from dpkit.train.run import RunInfo
 
@@ -69,7 +69,7 @@ def trained(tmp_path_factory):
         )  # fmt: skip
         run = SimpleNamespace(
             accelerator=accelerator, output=RunOutput(str(out), True), info=info,
-            strategy=strategy, engine=strategy.engine,
+            strategy=strategy, engine=engine_of(strategy),
         )  # fmt: skip
         path = Checkpointer(run, out, seed=0, model_name="org/tiny-bert").save(
             model, optimizer, None, Position(step=1)
@@ -176,7 +176,7 @@ def test_consolidate_with_optimizer_writes_the_full_layout_a_resume_loads(traine
     from accelerate.state import AcceleratorState, GradientState
 
     from dpkit.checkpoints.checkpointer import load_checkpoint
-    from dpkit.checkpoints.sharded import is_sharded
+    from dpkit.core.shards import is_sharded
 
     path, expected, _, moments = trained
     out = tmp_path / "full"
@@ -190,7 +190,7 @@ def test_consolidate_with_optimizer_writes_the_full_layout_a_resume_loads(traine
         model = bert(TWO, seed=5)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         model, optimizer = accelerator.prepare(model, optimizer)
-        state = load_checkpoint(STRATEGIES["ddp"].engine, accelerator, model, optimizer, None, out)
+        state = load_checkpoint(engine_of("ddp"), accelerator, model, optimizer, None, out)
         assert state.step == 1
         for name, param in model.named_parameters():
             assert torch.equal(param, expected[name]), name
@@ -217,7 +217,7 @@ def test_replicated_tensors_are_split_into_ranges_that_cover_them_once():
     """DDP's share of a replicated tensor per rank: 10 elements over 4 ranks, by hand
     (floor(10 r / 4) to floor(10 (r + 1) / 4)). Every MiniLM tensor has an even size, so
     the 2-process runs cannot see a split that drops a remainder."""
-    from dpkit.checkpoints.sharded import even_range, replicated_shard
+    from dpkit.core.shards import even_range, replicated_shard
 
     assert [even_range(10, r, 4) for r in range(4)] == [(0, 2), (2, 3), (5, 2), (7, 3)]
     tensor = torch.arange(7.0)

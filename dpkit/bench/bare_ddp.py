@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from dpkit.data import lm as lm_data
 from dpkit.models import adamw, adamw_param_groups
 from dpkit.train import guards
-from dpkit.train.config import parse_args
+from dpkit.train.parsing import parse_args
 
 
 def main() -> None:

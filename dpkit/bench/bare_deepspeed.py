@@ -24,8 +24,8 @@ from dpkit.data import lm as lm_data
 from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
 from dpkit.models import adamw, adamw_param_groups
 from dpkit.train import guards
-from dpkit.train.config import parse_args
 from dpkit.train.output import RunOutput
+from dpkit.train.parsing import parse_args
 
 
 @dataclass

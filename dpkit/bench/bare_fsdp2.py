@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dpkit.bench.bare_ddp import train_bare
 from dpkit.data import lm as lm_data
 from dpkit.train import guards
-from dpkit.train.config import parse_args
+from dpkit.train.parsing import parse_args
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 from dpkit.bench.launch import bare_run_name, checkpointed_run_name, repeat_name, trainer_run_name
 from dpkit.bench.markdown import MIB
 from dpkit.bench.results import REFERENCE, result_strategies
-from dpkit.memory.categories import CATEGORIES
+from dpkit.core.categories import CATEGORIES
 
 
 def _median_rate(runs: dict[str, Any], name: str, repeats: int) -> float:

@@ -28,8 +28,8 @@ from datetime import datetime
 from pathlib import Path
 
 from dpkit.bench.launch import DEFAULT_LAUNCH_TIMEOUT_S
+from dpkit.engines import RUNNABLE, TRAINER_STRATEGIES
 from dpkit.errors import UsageError
-from dpkit.strategy import RUNNABLE, TRAINER_STRATEGIES
 
 # Not 4: on the 2-core CPU machine the default bench at 4 processes took 13.7 min
 # (docs/bench-cpu-4proc.md, a shared machine) against 2.2 at 2 (docs/bench-cpu-2proc.md),

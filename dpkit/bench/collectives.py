@@ -41,7 +41,7 @@ from dpkit.engines.deepspeed.settings import bucket_elements
 from dpkit.errors import UsageError
 from dpkit.models import adamw_param_groups, count_parameters, hidden_size_of
 from dpkit.train import guards
-from dpkit.train.config import parse_args
+from dpkit.train.parsing import parse_args
 
 # DDP's buckets as dpkit configures them, and torch's smaller first bucket (backward's
 # first gradients start reducing early).

@@ -295,7 +295,7 @@ def run_info_failures(
     run: str, info: Mapping[str, Any], strategy: str, world_size: int = 1
 ) -> list[Failure]:
     """What run_info.json says ran, against an nccl job on CUDA of ``strategy`` in bf16."""
-    from dpkit.strategy import get_strategy
+    from dpkit.engines import get_strategy
 
     expected = {
         "backend": "nccl",

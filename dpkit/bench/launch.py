@@ -39,7 +39,8 @@ from pathlib import Path
 
 from dpkit import resources
 from dpkit.bench.trainer_baseline import TRAINER_RUN_PREFIX
-from dpkit.strategy import REFERENCE, Strategy, get_strategy
+from dpkit.core.strategy import Strategy
+from dpkit.engines import REFERENCE, engine_of, get_strategy
 
 # The folder holding the dpkit package (a checkout or site-packages): launched
 # processes import dpkit from it even when dpkit is not installed.
@@ -78,7 +79,7 @@ class Phase:
     or ``collectives``."""
     strategy: Strategy | None
     """The strategy it runs (a bare twin runs its dpkit run's); None for the collectives
-    phase. A name is looked up with :func:`~dpkit.strategy.get_strategy`."""
+    phase. A name is looked up with :func:`~dpkit.engines.get_strategy`."""
     bare: bool
     """A bare baseline (no accelerate, no dpkit strategy code)."""
     launcher: str
@@ -166,7 +167,7 @@ def accelerate_config(
     configs = out / "configs"
     configs.mkdir(parents=True, exist_ok=True)
     try:
-        text = strategy.engine.accelerate_yaml(strategy, configs, overrides, backend_config)
+        text = engine_of(strategy).accelerate_yaml(strategy, configs, overrides, backend_config)
     except ValueError as err:
         raise BenchError(str(err)) from None
     path = configs / f"{strategy.name}.yaml"
@@ -210,7 +211,7 @@ def bare_phase(strategy: Strategy, settings: dict, out: Path, repeat: int = 1) -
         "--mixed-precision", settings["mixed_precision"],
         "--output-dir", str(run_dir),
     ]  # fmt: skip
-    launcher, processes, module = strategy.engine.bare_baseline(strategy)
+    launcher, processes, module = engine_of(strategy).bare_baseline(strategy)
     cmd = [
         launcher_path(launcher), processes, nproc, "--master_port", port, *module, *tail,
     ]  # fmt: skip

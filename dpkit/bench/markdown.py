@@ -10,8 +10,8 @@ from typing import Any
 
 from dpkit.bench.launch import FLOOR_RUN, trainer_run_name
 from dpkit.bench.results import REFERENCE, max_relative_deviation, result_strategies
-from dpkit.memory.categories import MODEL_STATES
-from dpkit.strategy import get_strategy
+from dpkit.core.categories import MODEL_STATES
+from dpkit.engines import engine_of, get_strategy
 from dpkit.train.phases import PHASES
 
 MIB = 1024.0**2
@@ -319,7 +319,9 @@ def _collectives_lines(results: dict[str, Any]) -> list[str]:
     runs = results["runs"]
     reference = runs.get(REFERENCE.name)
     # Strategies whose collectives the phase timed, beside the reference's.
-    timed = [s for s in result_strategies(results) if s is not REFERENCE and s.engine.collectives]
+    timed = [
+        s for s in result_strategies(results) if s is not REFERENCE and engine_of(s).collectives
+    ]
     if reference is None or not timed:
         return lines
     reference_step = reference["median_step_time_s"]
@@ -327,13 +329,13 @@ def _collectives_lines(results: dict[str, Any]) -> list[str]:
         f"{s.label} {1e3 * (runs[s.name]['median_step_time_s'] - reference_step):+.0f} ms"
         for s in timed
     )
-    reference_comm = sum(patterns[k]["median_s"] for k in REFERENCE.engine.collectives)
+    reference_comm = sum(patterns[k]["median_s"] for k in engine_of(REFERENCE).collectives)
     sentences = [
         f"{engine.label}'s {' and '.join(_COLLECTIVE_NAMES[k] for k in engine.collectives)} "
         f"take {1e3 * sum(patterns[k]['median_s'] for k in engine.collectives):.0f} ms together "
         f"against DDP's allreduce {reference_comm * 1e3:.0f} ms, which DDP also overlaps with "
         f"backward{engine.collectives_note}."
-        for engine in dict.fromkeys(s.engine for s in timed)
+        for engine in dict.fromkeys(engine_of(s) for s in timed)
     ]
     return [*lines, "", f"Step time over DDP's: {over}. " + " ".join(sentences)]
 

@@ -5,7 +5,7 @@ Definitions (all in ``results.json``, with the raw per-step and per-rank figures
 * step time: the main process's median over the steps after the warm-up
   (each run logs its wall time from one optimizer step's end to the next);
 * tokens/s per rank = tokens per step per rank / median step time; total = x N;
-* memory per rank: the memory report's categories (:data:`dpkit.memory.categories.CATEGORIES`)
+* memory per rank: the memory report's categories (:data:`dpkit.core.categories.CATEGORIES`)
   of the rank holding the most; ``total`` is their sum;
 * saved vs DDP, measured: DDP's measured total minus the strategy's, per rank;
   predicted: the same difference of :func:`dpkit.memory.analytic.model_state_bytes`;
@@ -37,16 +37,16 @@ from dpkit.bench.launch import (
     repeat_name,
     trainer_run_name,
 )
-from dpkit.memory.analytic import dtype_bytes, model_state_bytes
-from dpkit.memory.categories import CATEGORIES
+from dpkit.core.categories import CATEGORIES
+from dpkit.core.strategy import Strategy
+from dpkit.core.units import dtype_bytes
+from dpkit.engines import REFERENCE, get_strategy
+from dpkit.memory.analytic import model_state_bytes
 from dpkit.memory.report import gradient_partition_bytes
 from dpkit.plan import check as plan_check
-from dpkit.strategy import DDP, Strategy, get_strategy
 from dpkit.train.output import read_json, read_jsonl
 from dpkit.train.phases import PHASES
 
-REFERENCE = DDP
-"""What every strategy's memory, speed and losses are compared with."""
 # The equivalence tolerances of the suite (DDP against ZeRO), argued there from measured
 # rounding: fp32 in tests/test_launchers.py, bf16 (DeepSpeed's bf16 module against DDP's
 # autocast) in tests/test_mixed_precision.py. The bench reports against the same figures.

@@ -37,6 +37,8 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from dpkit.engines import engine_of
+
 TRAINER_RUN_PREFIX = "trainer_"
 """A Trainer run's name is this prefix and the strategy's: ``trainer_ddp``, ``trainer_zero2``."""
 
@@ -170,9 +172,7 @@ def main() -> None:
     from dpkit import models, resources
     from dpkit.data import classification
     from dpkit.integrations.transformers import device_arguments
-    from dpkit.strategy import get_strategy
-    from dpkit.train.phases import ddp_timing
-    from dpkit.train.run import log_once_per_job
+    from dpkit.train.logs import log_once_per_job
 
     args = parse_args()
     log_once_per_job()
@@ -206,7 +206,7 @@ def main() -> None:
         # The Trainer's own DeepSpeed integration reads the strategy's shipped JSON.
         deepspeed=(
             str(resources.deepspeed_config(args.strategy))
-            if get_strategy(args.strategy).engine.reads_config_file
+            if engine_of(args.strategy).reads_config_file
             else None
         ),
         **device_arguments(),
@@ -232,7 +232,8 @@ def main() -> None:
         info = {
             **clock.info,
             "training_loss": result.training_loss,
-            "ddp_timing": ddp_timing(trainer.model_wrapped),
+            # DDP's own timing (its ddp_timing; None under a backend that times nothing)
+            **engine_of(args.strategy).own_timing(trainer.model_wrapped),
         }
         (output_dir / "run_info.json").write_text(json.dumps(info, indent=2) + "\n")
 

@@ -6,7 +6,7 @@
 * :mod:`~dpkit.checkpoints.folder`: a checkpoint folder's layout, its state file and
   manifest, checked before a resume trusts it;
 * :mod:`~dpkit.checkpoints.resume`: which checkpoint ``--resume`` names, and what carries over;
-* :mod:`~dpkit.checkpoints.sharded`: the default layout, every rank writing its own part
+* :mod:`~dpkit.core.shards`: the default layout, every rank writing its own part
   of the weights and moments with torch Distributed Checkpoint, read back by any layout;
 * :mod:`~dpkit.checkpoints.state`: the weights, Adam moments, RNG streams and fp16 loss
   scale, gathered and restored through the run's engine (``--checkpoint-format full``);

@@ -41,7 +41,17 @@ from dpkit.checkpoints.folder import (
     write_manifest,
 )
 from dpkit.checkpoints.resume import Resume, carry_over_note
-from dpkit.checkpoints.sharded import (
+from dpkit.checkpoints.state import (
+    full_optimizer_state,
+    load_optimizer_state,
+    restore_lrs,
+    rng_state,
+    save_model,
+    save_model_files,
+    set_rng_state,
+)
+from dpkit.core.loss_scale import LossScaler
+from dpkit.core.shards import (
     MOMENTS,
     SHARDS,
     TensorIndex,
@@ -52,17 +62,7 @@ from dpkit.checkpoints.sharded import (
     save_shards,
     tensor_index,
 )
-from dpkit.checkpoints.state import (
-    LossScaler,
-    full_optimizer_state,
-    load_optimizer_state,
-    restore_lrs,
-    rng_state,
-    save_model,
-    save_model_files,
-    set_rng_state,
-)
-from dpkit.memory.walk import inner_torch_optimizer
+from dpkit.core.walk import inner_torch_optimizer
 
 logger = logging.getLogger("dpkit")
 
@@ -105,7 +105,7 @@ def save_checkpoint(
     """Write the full training state for ``state.step``; every rank must call this.
 
     ``sharded`` (the default): every rank writes its own part of the weights and moments
-    (:mod:`dpkit.checkpoints.sharded`), so the ranks must share a file system. ``full``:
+    (:mod:`dpkit.core.shards`), so the ranks must share a file system. ``full``:
     the state gathered, and written by the main process only (several nodes need no
     shared file system to save). Either way the folder appears under its final name only
     once complete: :func:`complete_save` (every rank calls it) finishes what this
@@ -446,7 +446,7 @@ class Checkpointer:
         """
         self.run = run
         self.accelerator = run.accelerator
-        self.engine = run.strategy.engine
+        self.engine = run.engine
         self.run_info = run.info
         self.output_dir = Path(output_dir)
         self.seed = seed

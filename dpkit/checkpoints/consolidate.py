@@ -139,11 +139,11 @@ def _checkpoint_weights(checkpoint: Path) -> dict:
     sharded: read from the shards on this one process)."""
     from safetensors.torch import load_file
 
-    from dpkit.checkpoints import sharded
+    from dpkit.core import shards
 
-    if not sharded.is_sharded(checkpoint):
+    if not shards.is_sharded(checkpoint):
         return load_file(checkpoint / "model.safetensors")
-    index = sharded.TensorIndex.read(checkpoint)
+    index = shards.TensorIndex.read(checkpoint)
     return {name: index.weight(checkpoint, name) for name in index.shapes}
 
 
@@ -188,18 +188,18 @@ def write_full_layout(checkpoint: Path, output_dir: Path) -> int:
     import torch
     from safetensors.torch import save_file
 
-    from dpkit.checkpoints import sharded
     from dpkit.checkpoints.folder import LOSS_SCALE_FILE, write_manifest
     from dpkit.checkpoints.state import optimizer_file_state
+    from dpkit.core import shards
 
-    index = sharded.TensorIndex.read(checkpoint)
+    index = shards.TensorIndex.read(checkpoint)
     weights = {name: index.weight(checkpoint, name) for name in index.shapes}
     save_file(weights, str(output_dir / "model.safetensors"), {"format": "pt"})
     del weights
     moments = {
         name: {
-            moment: sharded.read_tensor(
-                checkpoint, sharded.moment_key(name, moment), index.shapes[name], torch.float32
+            moment: shards.read_tensor(
+                checkpoint, shards.moment_key(name, moment), index.shapes[name], torch.float32
             )
             for moment in saved
         }
@@ -225,9 +225,9 @@ def stream_to_model_folder(
     output file's tensors, not the model. Returns the number of files."""
     from safetensors.torch import save_file
 
-    from dpkit.checkpoints import sharded
+    from dpkit.core import shards
 
-    index = sharded.TensorIndex.read(checkpoint)
+    index = shards.TensorIndex.read(checkpoint)
     files: list[list[str]] = [[]]
     size = 0
     for name in index.shapes:
@@ -270,7 +270,7 @@ def consolidate(
     checkpoint only); returns a one-line description of what was done."""
     from dpkit.checkpoints.folder import verify_checkpoint
     from dpkit.checkpoints.resume import LORA_ADAPTER_CONFIG
-    from dpkit.checkpoints.sharded import is_sharded
+    from dpkit.core.shards import is_sharded
 
     if (checkpoint / "manifest.json").is_file():
         state = verify_checkpoint(checkpoint, flag="checkpoint")

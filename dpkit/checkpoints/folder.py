@@ -4,7 +4,7 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step-000120/``::
 
     shards/             sharded (the default): every rank's part of the fp32 weights
                         and Adam moments, written by torch Distributed Checkpoint
-                        (:mod:`dpkit.checkpoints.sharded`)
+                        (:mod:`dpkit.core.shards`)
     tensors.json        sharded: every saved tensor's shape and dtype; step count; lrs
     config.json, tokenizer files   the model's (LoRA: adapter_config.json too)
     model.safetensors   --checkpoint-format full: the consolidated fp32 weights (a

@@ -39,7 +39,7 @@ class Resume(NamedTuple):
         ``model_path``, the model it was trained from (a sharded checkpoint is no model
         folder; for LoRA, ``run.apply_lora`` adds the adapters), which the restore
         overwrites."""
-        from dpkit.checkpoints.sharded import is_sharded
+        from dpkit.core.shards import is_sharded
 
         return model_path if self.is_lora or is_sharded(self.path) else self.path
 
@@ -131,7 +131,7 @@ def _config_dict(model: Any) -> dict[str, Any] | None:
 def saved_shapes(path: Path) -> dict[str, list[int]]:
     """name -> shape of every tensor a checkpoint saved: a sharded one's index, or the
     full one's safetensors header (nothing loaded either way)."""
-    from dpkit.checkpoints.sharded import TensorIndex, is_sharded
+    from dpkit.core.shards import TensorIndex, is_sharded
 
     if is_sharded(path):
         return TensorIndex.read(path).shapes
@@ -208,7 +208,7 @@ def check_same_model(
         model: the run's model (a module, possibly on the meta device, or its config).
         model_name: what the run names its model (:func:`model_name`).
     """
-    from dpkit.checkpoints.sharded import is_sharded
+    from dpkit.core.shards import is_sharded
 
     where = f"--resume={str(path)!r}"
     if (

@@ -41,15 +41,15 @@ def init_from(model: Any, path: str | Path) -> str:
     checkpoint); returns the log line saying what was left as built."""
     import torch
 
-    from dpkit.checkpoints import sharded
     from dpkit.checkpoints.resume import saved_shapes
+    from dpkit.core import shards
 
     path = Path(path)
     own = dict(model.named_parameters())
-    own.update(sharded.persistent_buffers(model))
+    own.update(shards.persistent_buffers(model))
     saved = saved_shapes(path)
-    if sharded.is_sharded(path):
-        index = sharded.TensorIndex.read(path)
+    if shards.is_sharded(path):
+        index = shards.TensorIndex.read(path)
 
         def read(name: str) -> torch.Tensor:
             return index.weight(path, name)

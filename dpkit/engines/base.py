@@ -19,9 +19,10 @@ An :class:`Engine` owns everything that differs by backend, so that no code outs
   name, and put back re-sharded (:meth:`Engine.full_weights`,
   :meth:`Engine.full_moments`, :meth:`Engine.load_moments`).
 
-A :class:`~dpkit.strategy.Strategy` is a row of the strategy table: a name, an engine
-and the engine's settings (ZeRO stage, offload, resharding). Adding a backend is one
-engine package under ``dpkit/engines/`` and one row (``docs/architecture.md``).
+A :class:`~dpkit.core.strategy.Strategy` is a row of the strategy table: a name, the
+key of its engine and the engine's settings (ZeRO stage, offload, resharding); each
+engine declares its own rows (:attr:`Engine.strategies`). Adding a backend is one engine
+package under ``dpkit/engines/`` and one line in the registry (``docs/architecture.md``).
 
 This module imports nothing heavy: ``dpkit plan`` reads the engines without torch.
 Methods that need torch, accelerate or DeepSpeed import them when called.
@@ -33,11 +34,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from dpkit.core.launch import Launch
+from dpkit.core.strategy import Strategy
+
 if TYPE_CHECKING:
-    from dpkit.engines.deepspeed.layout import GradientHighWater
-    from dpkit.memory.analytic import ModelStateBytes
-    from dpkit.plan.inputs import ModelSpec, PlanInputs
-    from dpkit.strategy import Strategy
+    from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.core.units import GradientHighWater, ModelStateBytes
 
 
 @dataclass(frozen=True)
@@ -99,21 +101,38 @@ class Engine:
     times (keys of its ``collectives.json``)."""
     collectives_note: ClassVar[str] = ""
     """What the bench says of how those collectives overlap the compute."""
-    """Whether one process alone still needs a process group (DeepSpeed, fully_shard)."""
+    strategies: ClassVar[tuple[Strategy, ...]] = ()
+    """This backend's rows of the strategy table (:data:`dpkit.engines.STRATEGIES`), least
+    sharding first."""
+
+    def runnable(
+        self, *, zero_stage: int | None = None, reshard_after_forward: bool | None = None
+    ) -> Strategy:
+        """This backend's runnable strategy with the given settings (a DeepSpeed JSON's
+        stage, an FSDP launch's resharding); :class:`ValueError` where it has none."""
+        for strategy in self.strategies:
+            if (
+                strategy.runnable
+                and zero_stage in (None, strategy.zero_stage)
+                and reshard_after_forward in (None, strategy.reshard_after_forward)
+            ):
+                return strategy
+        raise ValueError(
+            f"no runnable {self.name} strategy with zero_stage={zero_stage}, "
+            f"reshard_after_forward={reshard_after_forward}"
+        )
 
     # ---- settings, before any process group -------------------------------------------
 
-    def launched(self, args: Any, env: Mapping[str, str]) -> Any:
+    def launched(self, args: Any, env: Mapping[str, str]) -> Launch | None:
         """What this backend's launcher configuration asks for (an accelerate FSDP or
-        DeepSpeed config, a ``--deepspeed`` JSON), as a :class:`dpkit.train.launcher.Launch`;
+        DeepSpeed config, a ``--deepspeed`` JSON), as a :class:`~dpkit.core.launch.Launch`;
         None when there is none. A ``--strategy`` that contradicts it is refused here."""
         return None
 
-    def from_flag(self, strategy: Strategy, args: Any, env: Mapping[str, str]) -> Any:
-        """The :class:`dpkit.train.launcher.Launch` of ``--strategy`` when no launcher
+    def from_flag(self, strategy: Strategy, args: Any, env: Mapping[str, str]) -> Launch:
+        """The :class:`~dpkit.core.launch.Launch` of ``--strategy`` when no launcher
         configuration decided; refuses a launcher that cannot run it."""
-        from dpkit.train.launcher import Launch
-
         return Launch(strategy, f"--strategy {strategy.name}")
 
     def configure(self, strategy: Strategy, request: Any) -> EngineSettings:
@@ -144,6 +163,23 @@ class Engine:
     def scheduler_in_config(self, settings: EngineSettings) -> bool:
         """Whether the backend's configuration builds the lr scheduler itself."""
         return False
+
+    def before_process_group(self, *, on_cuda: bool) -> None:
+        """Set what this backend needs in the process before any group starts, for a run
+        dpkit does not start itself (a Transformers ``Trainer``'s)."""
+
+    def trainer_config(
+        self, sizes: Any, config: Any, *, world_size: int, on_cuda: bool
+    ) -> dict[str, Any]:
+        """The backend's own config file (``config``: a shipped name, a path or a dict)
+        resolved for a Transformers ``Trainer`` run with dpkit's settings, for a model of
+        ``sizes`` (:class:`dpkit.models.ModelSizes`); only a backend that
+        :attr:`reads_config_file` has one."""
+        raise NotImplementedError(f"{self.label} is configured by no file")
+
+    def quiet_logs(self, is_main_process: bool) -> None:
+        """Quiet the backend's own logger as dpkit's is (its lines from the main process,
+        errors only elsewhere); called when a run starts, before the backend is known."""
 
     # ---- wrapping ---------------------------------------------------------------------
 
@@ -182,7 +218,7 @@ class Engine:
 
     def walk(self, ledger: Any, model: Any, optimizer: Any) -> dict[str, Any]:
         """Claim every tensor this rank holds for training into ``ledger``
-        (:class:`dpkit.memory.walk.Ledger`) by category and holder; returns what the walk
+        (:class:`dpkit.core.walk.Ledger`) by category and holder; returns what the walk
         found about the backend (its ``kind`` and settings)."""
         raise NotImplementedError
 
@@ -198,7 +234,7 @@ class Engine:
     def optimizer_groups(self, optimizer: Any) -> list[list[Any]]:
         """The parameters of each optimizer group as the backend lays them out (the plan
         partitions the same groups): here the torch optimizer's own."""
-        from dpkit.memory.walk import inner_torch_optimizer
+        from dpkit.core.walk import inner_torch_optimizer
 
         torch_opt = inner_torch_optimizer(optimizer)
         return [list(g["params"]) for g in torch_opt.param_groups] if torch_opt is not None else []
@@ -223,6 +259,12 @@ class Engine:
         return False
 
     # ---- memory, planned (pure arithmetic: no torch) ----------------------------------
+
+    def model_facts(self, model: Any, params: Sequence[Any]) -> dict[str, Any]:
+        """Fields of :class:`~dpkit.core.spec.ModelSpec` that this backend's plan reads of
+        ``model``'s parameters (``params``, each once) besides their sizes: ZeRO-3's
+        persistent small tensors, FSDP2's units. The only method here that sees a module."""
+        return {}
 
     def model_state_bytes(
         self,
@@ -303,7 +345,7 @@ class Engine:
         """The plan's note on this backend's buffer settings ("" for none)."""
         return ""
 
-    def plan_row_note(self, row: Any) -> str:
+    def plan_row_note(self, strategy: Strategy, row: Any) -> str:
         """A note under the plan's table on what one row of this backend holds ("" for none)."""
         return ""
 
@@ -320,10 +362,10 @@ class Engine:
     # ---- checkpoints ------------------------------------------------------------------
 
     def loss_scaler(self, accelerator: Any) -> Any:
-        """fp16's dynamic loss scaler of the run (:class:`dpkit.checkpoints.state.LossScaler`),
+        """fp16's dynamic loss scaler of the run (:class:`dpkit.core.loss_scale.LossScaler`),
         or None when it scales no loss (fp32, bf16): here torch's ``GradScaler``, which
         accelerate makes for fp16 on a GPU."""
-        from dpkit.checkpoints.state import TorchLossScaler
+        from dpkit.core.loss_scale import TorchLossScaler
 
         scaler = getattr(accelerator, "scaler", None)
         return TorchLossScaler(scaler) if scaler is not None and scaler.is_enabled() else None
@@ -358,11 +400,11 @@ class Engine:
 
     def own_shards(self, accelerator: Any, module: Any, optimizer: Any) -> dict[str, Any]:
         """This rank's part of the weights (fp32) and Adam moments, by the sharded
-        checkpoint's keys (:mod:`dpkit.checkpoints.sharded`); nothing is gathered. Here:
+        checkpoint's keys (:mod:`dpkit.core.shards`); nothing is gathered. Here:
         tensors every rank holds whole, split evenly, so the ranks share the writing."""
-        from dpkit.checkpoints import sharded
+        from dpkit.core import shards
 
-        return sharded.replicated_state(
+        return shards.replicated_state(
             module, optimizer, accelerator.process_index, accelerator.num_processes
         )
 
@@ -379,9 +421,9 @@ class Engine:
         """Fill this rank's weights and moments from a sharded checkpoint of any strategy
         and world size: ``read(shards)`` loads the ranges this rank asks for (a
         collective). Here: every tensor whole (the optimizer's state made first)."""
-        from dpkit.checkpoints import sharded
+        from dpkit.core import shards
 
-        targets = sharded.replicated_targets(module, optimizer, step, with_moments=with_moments)
+        targets = shards.replicated_targets(module, optimizer, step, with_moments=with_moments)
         read(targets.shards)
         targets.finish()
 
@@ -396,6 +438,19 @@ class Engine:
         from dpkit import resources
 
         return resources.accelerate_config(strategy.name).read_text()
+
+    default_bucket: ClassVar[int] = 0
+    """The backend's own bucket size in elements where a config gives none (0: no buckets
+    that ``dpkit tune`` varies)."""
+
+    def aligned_bucket(self, elements: float) -> int:
+        """A bucket size near ``elements`` that the backend accepts (clamped to its default,
+        rounded up to its alignment), for ``dpkit tune``'s variants."""
+        raise NotImplementedError(f"{self.label} has no buckets dpkit tune varies")
+
+    def bucket_refusal(self, elements: int) -> str:
+        """Why the backend would refuse ``elements`` as a bucket size ("" where it accepts it)."""
+        return ""
 
     def tunable_in_effect(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """The :attr:`tunable` settings as a run's written :attr:`config_file` holds them."""

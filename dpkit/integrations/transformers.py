@@ -31,7 +31,6 @@ memory report::
 
 from __future__ import annotations
 
-import copy
 import inspect
 import logging
 import os
@@ -42,31 +41,21 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from dpkit import resources
-from dpkit.engines import ENGINES
-from dpkit.engines.deepspeed.config import (
-    config_leaves,
-    optimizer_offload,
-    read_ds_config,
-    skip_deepspeed_cpu_shm_op,
-    zero_stage_of,
-)
-from dpkit.engines.deepspeed.config_keys import check_ds_config_keys
-from dpkit.engines.deepspeed.settings import fill_zero_settings, zero_memory_settings
+from dpkit.core.strategy import Strategy
+from dpkit.core.walk import inner_torch_optimizer, unwrap_optimizer
+from dpkit.engines import ENGINES, engine_of
 from dpkit.errors import UsageError
 from dpkit.memory.tracker import (  # model_record: re-exported
     MemoryTracker,
     model_record,
     write_timeline_next_to,
 )
-from dpkit.memory.walk import inner_torch_optimizer, unwrap_optimizer
 from dpkit.models import ModelSizes
 from dpkit.resources import metric_dir  # re-exported: a Trainer script's offline metrics
-from dpkit.strategy import Strategy
 from dpkit.train.guards import refuse_and_exit
 from dpkit.train.launcher import check_ranks_per_gpu, local_process_count
+from dpkit.train.logs import log_once_per_job  # re-exported: for a Trainer script's start
 from dpkit.train.phases import PHASES, StepPhases
-from dpkit.train.run import log_once_per_job  # re-exported: for a Trainer script's start
 
 logger = logging.getLogger(__name__)
 
@@ -83,19 +72,6 @@ __all__ = [
 REPORT_FILE = "memory_report.json"
 # The Trainer's evaluation and prediction log lines (their metric_key_prefix).
 EVAL_PREFIXES = ("eval_", "test_")
-
-# What the Trainer (transformers.integrations.deepspeed.HfTrainerDeepSpeedConfig) or
-# accelerate fills in a DeepSpeed config: deepspeed_config() leaves these "auto".
-TRAINER_FILLS = (
-    "train_batch_size",
-    "train_micro_batch_size_per_gpu",
-    "gradient_accumulation_steps",
-    "gradient_clipping",
-    "bf16.enabled",
-    "fp16.enabled",
-    "optimizer.params.",
-    "scheduler.params.",
-)
 
 
 def device_arguments() -> dict[str, Any]:
@@ -118,32 +94,11 @@ def device_arguments() -> dict[str, Any]:
         local_processes, source = local_process_count(os.environ)
         check_ranks_per_gpu(local_processes, torch.cuda.device_count(), source=source)
         return {}
-    skip_deepspeed_cpu_shm_op()
+    for engine in ENGINES:
+        engine.before_process_group(on_cuda=False)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return {"use_cpu": True, "ddp_backend": "gloo"}
     return {"use_cpu": True}  # one process: a backend would make accelerate expect a group
-
-
-def _read_config(config: str | Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    """The config as a new dict, and what to call it in an error; a path is found as
-    :func:`dpkit.config_files.find_config` finds it (here, or a shipped config's name),
-    a missing one refused naming ``deepspeed_config(config=...)``."""
-    if isinstance(config, Mapping):
-        where = "<dict>"
-        resolved = copy.deepcopy(dict(config))
-        # The start of the message, as read_ds_config gives it for a file.
-        check_ds_config_keys(resolved, f"deepspeed config {where!r}")
-        return resolved, where
-    from dpkit.config_files import find_config
-
-    shipped = isinstance(config, str) and resources.deepspeed_config(config).is_file()
-    path = str(resources.deepspeed_config(config)) if shipped else str(config)
-    if not shipped:
-        found = find_config(path, "deepspeed_config(config=...)")
-        if found.note:
-            logger.info("dpkit: %s", found.note)
-        path = found.path
-    return read_ds_config(path), path
 
 
 def deepspeed_config(
@@ -160,7 +115,7 @@ def deepspeed_config(
     (:func:`dpkit.engines.deepspeed.settings.zero_memory_settings`); a value written in the config
     is kept. Left alone, DeepSpeed allocates 5e8-element buckets (1.9 GiB each in fp32)
     and the Trainer's ``"auto"`` gives hidden_size^2, which for small and mid-size models
-    means many small, slow reductions. The Trainer fills the rest (:data:`TRAINER_FILLS`).
+    means many small, slow reductions. The Trainer fills the rest (:data:`dpkit.engines.deepspeed.trainer.TRAINER_FILLS`).
 
     Args:
         model: the model to train (a ``torch.nn.Module``, or a transformers config).
@@ -184,34 +139,15 @@ def deepspeed_config(
         if found.note:
             logger.info("dpkit: %s", found.note)
         config = found.path
-    resolved, where = _read_config(config)
-    stage = zero_stage_of(resolved, where)
-    optimizer_offload(resolved, where)
-    sizes = ModelSizes.of(model)
     world = int(world_size if world_size is not None else os.environ.get("WORLD_SIZE", "1"))
-    settings = zero_memory_settings(
-        sizes.num_params,
-        sizes.hidden_size,
-        world_size=world,
-        stage=stage,
-        largest_param_numel=sizes.largest_param_numel,
-        on_cuda=torch.cuda.is_available(),
+    return _config_file_engine().trainer_config(
+        ModelSizes.of(model), config, world_size=world, on_cuda=torch.cuda.is_available()
     )
-    fill_zero_settings(resolved["zero_optimization"], settings)
-    leftover = [
-        path
-        for path, value in config_leaves(resolved)
-        if value == "auto" and not any(path.startswith(fill) for fill in TRAINER_FILLS)
-    ]
-    if leftover:
-        raise UsageError(
-            f"deepspeed config {where!r}: "
-            f'{", ".join(leftover)}="auto": neither dpkit nor the Trainer fills it'
-        )
-    # Before TrainingArguments starts DeepSpeed's comm backend: on CPU it would otherwise
-    # build and leak a shared-memory all-reduce op that training never uses.
-    skip_deepspeed_cpu_shm_op()
-    return resolved
+
+
+def _config_file_engine() -> Any:
+    """The engine configured by a file the run names (DeepSpeed's JSON)."""
+    return next(engine for engine in ENGINES if engine.reads_config_file)
 
 
 # --- what runs -----------------------------------------------------------------------
@@ -298,7 +234,7 @@ def optimizer_name(optimizer: Any) -> str | None:
 def precision_running(args: Any, optimizer: Any, strategy: Strategy) -> str:
     """``no``, ``bf16`` or ``fp16``: as the backend keeps the parameters where it casts
     them (DeepSpeed's 16-bit partitions), otherwise from the Trainer's arguments (autocast)."""
-    found = strategy.engine.precision_in_effect(optimizer)
+    found = engine_of(strategy).precision_in_effect(optimizer)
     if found is not None:
         return found
     return (
@@ -309,7 +245,7 @@ def precision_running(args: Any, optimizer: Any, strategy: Strategy) -> str:
 def optimizer_groups(optimizer: Any, strategy: Strategy) -> list[list[torch.nn.Parameter]]:
     """The parameters of each optimizer group as the backend holds them (the layout ZeRO
     flattens and partitions: DeepSpeed's ``bit16_groups``), or the torch groups."""
-    return strategy.engine.optimizer_groups(optimizer)
+    return engine_of(strategy).optimizer_groups(optimizer)
 
 
 def _calling_trainer(callback: TrainerCallback) -> Any | None:
@@ -446,14 +382,14 @@ class MemoryReportCallback(TrainerCallback):
                     type(wrapped).__name__,
                 )
             return
-        if _asked_for_deepspeed(args) and not strategy.engine.reads_config_file:
+        if _asked_for_deepspeed(args) and not engine_of(strategy).reads_config_file:
             with refuse_and_exit():
                 raise UsageError(
                     f"deepspeed={_describe_deepspeed(args)}: the run asked for DeepSpeed but "
                     f"trains with {type(unwrap_optimizer(optimizer)).__name__}"
                 )
         name = optimizer_name(optimizer)
-        offload = strategy.engine.offload_in_effect(optimizer)
+        offload = engine_of(strategy).offload_in_effect(optimizer)
         self.tracker = MemoryTracker(
             PartialState(),
             wrapped,

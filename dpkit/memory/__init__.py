@@ -2,7 +2,7 @@
 
 * :mod:`~dpkit.memory.tracker`: :class:`MemoryTracker`, the per-rank measurement of a run
   and its report (the entry point; :meth:`dpkit.Run.prepare` starts one);
-* :mod:`~dpkit.memory.walk`: counts the bytes one rank holds, by category and holder, where
+* :mod:`~dpkit.core.walk`: counts the bytes one rank holds, by category and holder, where
   the run's engine says its backend keeps them (``dpkit/engines/*/memory.py``);
 * :mod:`~dpkit.memory.probes`: runs the walk inside each step, where gradients exist;
 * :mod:`~dpkit.memory.peak`: the process's or the CUDA allocator's peak;
@@ -27,7 +27,7 @@ _EXPORTS = {
     "peak_figures": "dpkit.memory.peak",
     "reset_peak": "dpkit.memory.peak",
     "current_summary": "dpkit.memory.peak",
-    "MODEL_STATES": "dpkit.memory.categories",
+    "MODEL_STATES": "dpkit.core.categories",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -20,63 +20,15 @@ both call :func:`model_state_bytes`; neither computes these figures itself.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
-from types import MappingProxyType
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
-if TYPE_CHECKING:
-    from dpkit.strategy import Strategy
-
-PRECISIONS = ("fp32", "bf16", "fp16")
-"""dpkit's precision names; accelerate's ``no`` (no mixed precision) is accepted as ``fp32``."""
-
-# Optimizer state bytes per parameter (fp32 state): the paper's K without the
-# master copy, which is counted separately as ``master``.
-OPTIMIZER_STATE_BYTES: Mapping[str, int] = MappingProxyType(
-    {
-        "adamw": 8,  # exp_avg + exp_avg_sq
-        "adam": 8,
-        "sgd_momentum": 4,  # momentum buffer
-        "sgd": 0,
-        "cpu_adam": 8,  # DeepSpeed's CPU Adam: same state, held in host memory
-    }
+from dpkit.core.strategy import Strategy
+from dpkit.core.units import (
+    OPTIMIZER_STATE_BYTES,
+    ModelStateBytes,
+    canonical_precision,
 )
-
-
-@dataclass(frozen=True)
-class ModelStateBytes:
-    """Per-rank bytes of model states on the accelerator, by category."""
-
-    params: float
-    grads: float
-    optimizer: float
-    master: float
-    # Bytes moved to host memory by offload (optimizer state and master copy).
-    offloaded_to_cpu: float = 0.0
-
-    @property
-    def total(self) -> float:
-        """Model-state bytes on the device (offloaded bytes excluded)."""
-        return self.params + self.grads + self.optimizer + self.master
-
-    def as_dict(self) -> dict[str, float]:
-        """Every category and the ``total``, for JSON."""
-        return {**asdict(self), "total": self.total}
-
-
-def canonical_precision(precision: str) -> str:
-    """``precision`` as one of :data:`PRECISIONS`: accelerate calls fp32 training ``no``."""
-    name = "fp32" if precision == "no" else precision
-    if name not in PRECISIONS:
-        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    return name
-
-
-def dtype_bytes(precision: str) -> int:
-    """Bytes per element of a tensor in ``precision``'s training dtype: 4 for fp32, 2 for
-    bf16/fp16 (DeepSpeed's module, its reduce buckets, autocast's activations)."""
-    return 4 if canonical_precision(precision) == "fp32" else 2
+from dpkit.engines import engine_of
 
 
 def model_state_bytes(
@@ -99,7 +51,7 @@ def model_state_bytes(
 
     Args:
         num_params: trainable parameter count (shared tensors counted once).
-        strategy: a :class:`~dpkit.strategy.Strategy` or its name (``ddp``, ``zero1``...).
+        strategy: a :class:`~dpkit.core.strategy.Strategy` or its name (``ddp``, ``zero1``...).
         world_size: data-parallel ranks N that shard the states.
         precision: ``fp32`` (or accelerate's ``no``), or ``bf16``/``fp16`` mixed precision.
         optimizer: a key of :data:`OPTIMIZER_STATE_BYTES`.
@@ -108,7 +60,7 @@ def model_state_bytes(
             N; the other strategies do not depend on shapes.
         frozen_params, frozen_param_shapes: the same for parameters that do not train.
     """
-    from dpkit.strategy import get_strategy
+    from dpkit.engines import get_strategy
 
     if num_params <= 0:
         raise ValueError(f"num_params must be positive, got {num_params}")
@@ -120,14 +72,14 @@ def model_state_bytes(
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
         )
-    states = strategy.engine.model_state_bytes(
+    states = engine_of(strategy).model_state_bytes(
         strategy, float(num_params), world_size, precision, optimizer, param_shapes
     )
     if frozen_params < 0:
         raise ValueError(f"frozen_params must be >= 0, got {frozen_params}")
     if frozen_params == 0:
         return states
-    frozen = strategy.engine.model_state_bytes(
+    frozen = engine_of(strategy).model_state_bytes(
         strategy, float(frozen_params), world_size, precision, optimizer, frozen_param_shapes
     )
     return dataclasses.replace(states, params=states.params + frozen.params)
@@ -140,10 +92,10 @@ def paper_grad_bytes(
     from stage 2 (2 x Psi/N in mixed precision). :func:`model_state_bytes` adds what
     DeepSpeed holds besides them at its step. FSDP2's gradients are fp32 in either mode:
     4 x Psi/N, which :func:`model_state_bytes` pads per parameter."""
-    from dpkit.strategy import get_strategy
+    from dpkit.engines import get_strategy
 
     strategy = get_strategy(strategy)
-    return strategy.engine.paper_grad_bytes(
+    return engine_of(strategy).paper_grad_bytes(
         strategy, float(num_params), world_size, canonical_precision(precision)
     )
 
@@ -152,7 +104,7 @@ def full_replication_bytes(
     num_params: int, precision: str = "fp32", optimizer: str = "adamw", frozen_params: int = 0
 ) -> ModelStateBytes:
     """What every rank holds under plain data parallelism (the DDP figure)."""
-    from dpkit.strategy import REFERENCE
+    from dpkit.engines import REFERENCE
 
     return model_state_bytes(
         num_params, REFERENCE, 1, precision, optimizer, frozen_params=frozen_params

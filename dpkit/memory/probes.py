@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
+from dpkit.core.walk import CATEGORIES, inner_torch_optimizer, storage_key, unwrap_module, walk
 from dpkit.memory.timeline import StepTimeline
-from dpkit.memory.walk import CATEGORIES, inner_torch_optimizer, storage_key, unwrap_module, walk
 from dpkit.models import repeated_blocks
 
 

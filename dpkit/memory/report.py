@@ -15,13 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dpkit.memory.analytic import (
-    ModelStateBytes,
-    full_replication_bytes,
-    model_state_bytes,
-    paper_grad_bytes,
-)
-from dpkit.memory.categories import MODEL_STATES, PARTITION_SHARE
+from dpkit.core.categories import MODEL_STATES, PARTITION_SHARE
+from dpkit.core.units import ModelStateBytes
+from dpkit.memory.analytic import full_replication_bytes, model_state_bytes, paper_grad_bytes
 
 MIB = 1024.0**2
 # 2: each rank's row has a ``timeline`` (docs/memory.md).

@@ -14,7 +14,7 @@ step, DeepSpeed's reductions and copies, FSDP2's end of forward) and its own:
 * ``backward_end``: autograd's last callback of the backward (where DDP waits for its
   reduction).
 
-Each entry walks the rank's tensors (:func:`dpkit.memory.walk.walk`), so a model of
+Each entry walks the rank's tensors (:func:`dpkit.core.walk.walk`), so a model of
 more than :data:`MAX_BLOCK_POINTS` blocks is sampled at every k-th block. The
 timeline kept is that of the last step recorded (with ``--memory-probe-steps 1``, the
 default, the first optimizer step). The schema is in docs/memory.md.
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from dpkit.memory.categories import CATEGORIES
+from dpkit.core.categories import CATEGORIES
 
 MAX_BLOCK_POINTS = 16
 """At most this many blocks are probed in each direction (a walk each)."""

@@ -11,7 +11,7 @@ main process)::
 (:meth:`dpkit.Run.prepare` starts one with the run's strategy and precision, and
 :meth:`dpkit.Run.finish` writes its report.)
 
-What is measured (:mod:`dpkit.memory.walk`): parameters, gradients, optimizer
+What is measured (:mod:`dpkit.core.walk`): parameters, gradients, optimizer
 state, fp32 master copies and buffers (DDP's reducer buckets, DeepSpeed's ipg
 bucket...), each storage counted once, with the name of what holds it; the
 bytes autograd saved for backward (activations); and the peak
@@ -29,15 +29,16 @@ from typing import Any
 
 import torch
 
+from dpkit.core.categories import MODEL_STATES
+from dpkit.core.strategy import Strategy
+from dpkit.core.units import canonical_precision
+from dpkit.core.walk import unwrap_module, walk
+from dpkit.engines import engine_of, get_strategy
 from dpkit.lora import lora_settings
-from dpkit.memory.analytic import canonical_precision
-from dpkit.memory.categories import MODEL_STATES
 from dpkit.memory.peak import current_summary, peak_figures, reset_peak
 from dpkit.memory.probes import StepProbes
 from dpkit.memory.report import MemoryReport
-from dpkit.memory.walk import unwrap_module, walk
 from dpkit.models import count_parameters, is_gradient_checkpointing
-from dpkit.strategy import Strategy, get_strategy
 
 logger = logging.getLogger(__name__)
 
@@ -220,7 +221,7 @@ class MemoryTracker:
         Args:
             accelerator: the run's Accelerator (its device and rank).
             model, optimizer: as ``accelerator.prepare`` returned them.
-            strategy: what runs (a :class:`~dpkit.strategy.Strategy` or its name): the
+            strategy: what runs (a :class:`~dpkit.core.strategy.Strategy` or its name): the
                 prediction the measurement is checked against.
             precision: ``no``/``fp32``, ``bf16`` or ``fp16``.
             optimizer_name: for the prediction (``adamw``: 8 bytes of state per parameter).
@@ -244,7 +245,9 @@ class MemoryTracker:
         self._steps_seen = 0
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
         self.probes = (
-            StepProbes(model, optimizer, self.strategy.engine, count_activations=count_activations)
+            StepProbes(
+                model, optimizer, engine_of(self.strategy), count_activations=count_activations
+            )
             if probe_steps != 0
             else None
         )
@@ -279,7 +282,7 @@ class MemoryTracker:
         """This rank's row (no collective)."""
         return measure_rank(
             self.accelerator,
-            self.strategy.engine,
+            engine_of(self.strategy),
             self.model,
             self.optimizer,
             self.probes,
@@ -318,7 +321,7 @@ class MemoryTracker:
                 "high-water (it also holds the interpreter and libraries, and untouched "
                 "allocations are not resident)"
             )
-        notes += self.strategy.engine.report_notes(self.strategy, self.model, self.optimizer)
+        notes += engine_of(self.strategy).report_notes(self.strategy, self.model, self.optimizer)
         frozen = count_frozen_params(self.model)
         return MemoryReport(
             strategy=self.strategy.name,
@@ -334,13 +337,13 @@ class MemoryTracker:
             offload_optimizer=self.offload_optimizer,
             gradient_checkpointing=is_gradient_checkpointing(unwrap_module(self.model)),
             param_shapes=(
-                param_shapes(self.model) if self.strategy.engine.report_param_shapes() else None
+                param_shapes(self.model) if engine_of(self.strategy).report_param_shapes() else None
             ),
             model=self.model_record,
             frozen_params=frozen,
             frozen_param_shapes=(
                 param_shapes(self.model, trainable=False)
-                if frozen and self.strategy.engine.report_param_shapes()
+                if frozen and engine_of(self.strategy).report_param_shapes()
                 else None
             ),
             lora=lora_settings(unwrap_module(self.model)),
@@ -383,9 +386,9 @@ def model_record(
 
     config = getattr(model, "config", None)
     name = name or getattr(config, "_name_or_path", "") or type(model).__name__
-    from dpkit.strategy import REFERENCE
+    from dpkit.engines import REFERENCE
 
-    groups = (strategy or REFERENCE).engine.optimizer_groups(optimizer)
+    groups = engine_of(strategy or REFERENCE).optimizer_groups(optimizer)
     spec = spec_from_model(name, "trainer", model, param_groups=groups)
     record = spec_record(spec)
     record["class"] = type(model).__name__

@@ -16,7 +16,7 @@ One job per module, each importing only those above it in this list:
   run beside its measurement (:func:`check_run`);
 * :mod:`~dpkit.plan.cli`: the ``dpkit plan`` command.
 
-Strategies are :class:`dpkit.strategy.Strategy` values; functions take one or its name.
+Strategies are :class:`dpkit.core.strategy.Strategy` values; functions take one or its name.
 Nothing here imports torch at import time (``dpkit plan --help`` stays fast). The
 function :func:`dpkit.plan.estimate.estimate` is not re-exported here: its name would
 hide the module of the same name.
@@ -24,6 +24,7 @@ hide the module of the same name.
 
 from __future__ import annotations
 
+from dpkit.core.spec import ModelSpec, PlanInputs
 from dpkit.plan.activations import ActivationProfile, activation_profile
 from dpkit.plan.check import PlanCheck, check_dict, check_run, format_check
 from dpkit.plan.estimate import (
@@ -34,7 +35,7 @@ from dpkit.plan.estimate import (
     largest_micro_batch,
     step_bytes,
 )
-from dpkit.plan.inputs import ModelSpec, PlanInputs, load_model, parse_count, parse_memory
+from dpkit.plan.inputs import load_model, parse_count, parse_memory
 from dpkit.plan.output import NOT_COUNTED, format_table, plan_dict
 from dpkit.plan.recommend import Plan, make_plan
 

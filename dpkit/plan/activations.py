@@ -18,10 +18,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from dpkit.core.spec import ModelSpec
+from dpkit.core.units import dtype_bytes
 from dpkit.errors import UsageError
-from dpkit.memory.analytic import dtype_bytes
 from dpkit.models import build_meta_model, quiet_transformers
-from dpkit.plan.inputs import ModelSpec, first_line
+from dpkit.plan.inputs import first_line
 
 
 def formula_layer_bytes(

@@ -21,19 +21,14 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from dpkit.core.categories import MODEL_STATES
+from dpkit.core.spec import ModelSpec, PlanInputs
+from dpkit.core.units import canonical_precision
+from dpkit.engines import engine_of, get_strategy, offloaded
 from dpkit.errors import UsageError
-from dpkit.memory.analytic import canonical_precision
-from dpkit.memory.categories import MODEL_STATES
 from dpkit.plan.activations import activation_profile, saved_bytes
 from dpkit.plan.estimate import StrategyEstimate, buffer_settings, estimate
-from dpkit.plan.inputs import (
-    ModelSpec,
-    PlanInputs,
-    load_model,
-    spec_from_config,
-    spec_from_record,
-)
-from dpkit.strategy import get_strategy
+from dpkit.plan.inputs import load_model, spec_from_config, spec_from_record
 
 CATEGORIES = MODEL_STATES
 """The model-state rows of the check, one by one (their sum is ``total``)."""
@@ -269,7 +264,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     if report.get("offload_optimizer") and on_gpu:
         # Optimizer state and master weights off the GPU: the plan's offload row. (A CPU
         # run's host memory is its device memory: planned, and measured, as ZeRO-2.)
-        strategy = strategy.offloaded()
+        strategy = offloaded(strategy)
     row: StrategyEstimate = estimate(inputs, strategy, inputs.micro_batch, profile, settings)
     predicted = {c: float(getattr(row, c)) for c in CATEGORIES}
     predicted["total"] = sum(predicted.values())
@@ -289,7 +284,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     else:
         not_predicted["activations"] = "the run did not count them (count_activations off)"
     not_checked: dict[str, str] = {}
-    unprobed = strategy.engine.unprobed_buffer_parts(strategy)
+    unprobed = engine_of(strategy).unprobed_buffer_parts(strategy)
     if unprobed:
         # FSDP2: the whole parameters and gradients of the unit being computed live between
         # the report's probe points (end of forward, optimizer step); the timeline shows

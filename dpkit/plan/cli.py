@@ -22,15 +22,12 @@ from __future__ import annotations
 import argparse
 import json
 
+from dpkit.core.spec import ATTENTION_CHOICES, OPTIMIZER_CHOICES, ModelSpec, PlanInputs
+from dpkit.core.units import PRECISIONS
 from dpkit.errors import UsageError
-from dpkit.memory.analytic import PRECISIONS
 from dpkit.plan import check as plan_check
 from dpkit.plan.inputs import (
     ACTIVATION_METHODS,
-    ATTENTION_CHOICES,
-    OPTIMIZER_CHOICES,
-    ModelSpec,
-    PlanInputs,
     bundled_models,
     load_model,
     parse_count,

@@ -1,6 +1,6 @@
 """Per-GPU bytes of one strategy at one micro-batch: the arithmetic of ``dpkit plan``.
 
-:func:`estimate` adds, for one :class:`~dpkit.strategy.Strategy`: model states from
+:func:`estimate` adds, for one :class:`~dpkit.core.strategy.Strategy`: model states from
 :func:`dpkit.memory.analytic.model_state_bytes` (the memory report's prediction), with
 gradients as the strategy's engine lays them out (:func:`gradient_layout`: DeepSpeed's
 partitions, FSDP2's padded shards); activations from :mod:`dpkit.plan.activations`;
@@ -16,14 +16,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dpkit.engines import ENGINES
-from dpkit.memory.analytic import canonical_precision, model_state_bytes, paper_grad_bytes
+from dpkit.core.spec import ModelSpec, PlanInputs
+from dpkit.core.strategy import Strategy
+from dpkit.core.units import canonical_precision
+from dpkit.engines import ENGINES, engine_of, get_strategy
+from dpkit.memory.analytic import model_state_bytes, paper_grad_bytes
 from dpkit.plan.activations import ActivationProfile, saved_bytes
-from dpkit.plan.inputs import ModelSpec, PlanInputs
-from dpkit.strategy import Strategy, get_strategy
 
 if TYPE_CHECKING:
-    from dpkit.engines.deepspeed.layout import GradientHighWater
+    from dpkit.core.units import GradientHighWater
 
 # The micro-batch search stops here; past it the answer is "more than you need".
 MAX_MICRO_BATCH = 1 << 16
@@ -51,7 +52,7 @@ def buffer_bytes(
     strategy's engine's (:meth:`~dpkit.engines.base.Engine.buffer_bytes`: DDP's reducer
     buckets, ZeRO's reduce buckets, FSDP2's whole parameters)."""
     strategy = get_strategy(strategy)
-    return strategy.engine.buffer_bytes(
+    return engine_of(strategy).buffer_bytes(
         strategy, spec, world_size, canonical_precision(precision), settings, ddp_grad_bytes
     )
 
@@ -64,7 +65,7 @@ class StrategyEstimate:
     """Predicted bytes per GPU under one strategy."""
 
     strategy: str
-    """The strategy's name (:data:`dpkit.strategy.STRATEGIES`), as JSON output shows it."""
+    """The strategy's name (:data:`dpkit.engines.STRATEGIES`), as JSON output shows it."""
     applicable: bool
     """False where the optimizer cannot run under the strategy (cpu_adam without offload)."""
     params: float = 0.0
@@ -118,7 +119,7 @@ class StrategyEstimate:
         that live between probe points (the loss's logits peak, the layer recomputed under
         checkpointing, FSDP2's whole gradients and reduce-scatter input in backward)."""
         strategy = get_strategy(self.strategy)
-        unprobed = strategy.engine.unprobed_buffer_parts(strategy)
+        unprobed = engine_of(strategy).unprobed_buffer_parts(strategy)
         buffers = sum(v for k, v in self.buffer_parts.items() if k not in unprobed)
         return self.model_states + buffers + saved_bytes(self.activation_parts)
 
@@ -150,7 +151,7 @@ def step_bytes(
     which updates in place: no temporaries of its own (a ``foreach`` AdamW would add one
     fp32 copy of the parameters it updates); SGD updates in place."""
     strategy = get_strategy(strategy)
-    return strategy.engine.step_bytes(
+    return engine_of(strategy).step_bytes(
         strategy, float(num_params), world_size, canonical_precision(precision), grads_laid_out
     )
 
@@ -162,7 +163,7 @@ def gradient_layout(
     engine lays gradients out otherwise than the paper counts them (DeepSpeed ZeRO-1/2:
     :mod:`dpkit.engines.deepspeed.layout`); None where the paper's figure stands."""
     strategy = get_strategy(strategy)
-    return strategy.engine.gradient_layout(strategy, inputs, settings)
+    return engine_of(strategy).gradient_layout(strategy, inputs, settings)
 
 
 def estimate(
@@ -174,7 +175,7 @@ def estimate(
 ) -> StrategyEstimate:
     """Bytes per GPU for ``strategy`` (a Strategy or its name) at ``micro_batch``."""
     strategy = get_strategy(strategy)
-    engine = strategy.engine
+    engine = engine_of(strategy)
     optimizer = engine.optimizer_for_plan(strategy, inputs.optimizer)
     if optimizer is None:
         return StrategyEstimate(strategy.name, applicable=False)

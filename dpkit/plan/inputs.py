@@ -11,25 +11,17 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from dpkit import resources
+from dpkit.core.spec import ModelSpec
 from dpkit.errors import UsageError
-from dpkit.memory.analytic import PRECISIONS
-from dpkit.models import adamw_param_groups, build_meta_model, max_positions
+from dpkit.models import adamw_param_groups, build_meta_model
 
 CONFIG_DIR = resources.model_configs_dir()
 
-# DeepSpeed's default ``stage3_param_persistence_threshold``
-# (deepspeed/runtime/zero/config.py): ZeRO-3 keeps tensors smaller than this
-# whole on every rank (:attr:`ModelSpec.small_tensor_params`).
-PERSISTENCE_THRESHOLD = 100_000
-
-GIB = 2**30
-OPTIMIZER_CHOICES = ("adamw", "sgd", "sgd_momentum", "cpu_adam")
-ATTENTION_CHOICES = ("sdpa", "eager")
 ACTIVATION_METHODS = ("trace", "formula")
 
 _MEMORY_UNITS = {
@@ -131,84 +123,6 @@ def bundled_models() -> list[str]:
     return sorted(path.stem for path in CONFIG_DIR.glob("*.json"))
 
 
-@dataclass(frozen=True)
-class ModelSpec:
-    """What the plan knows about the model."""
-
-    name: str
-    """As given: a bundled name, a path, a Hub name, or the ``--params`` text."""
-    source: str
-    """``bundled``, ``path``, ``hub``, ``count`` (a bare ``--params``), ``recipe`` (a
-    config a recipe built, for ``--against``) or ``trainer`` (the live model of a
-    Transformers ``Trainer`` run, recorded in its memory report)."""
-    num_params: int
-    """Distinct parameters, tied weights counted once."""
-    config: Any = field(default=None, repr=False, compare=False)
-    """The transformers config (None for a bare count): the shapes activations come from."""
-    largest_layer_params: int = 0
-    """Most parameters held directly by one module: the layer ZeRO-3 gathers whole (DeepSpeed's term)."""
-    small_tensor_params: int = 0
-    """Parameters in tensors under ZeRO-3's persistence threshold, which every rank keeps whole."""
-    gated_mlp: bool = False
-    """Whether the MLP is gated (SwiGLU: gate and up projections), for the formula."""
-    param_groups: tuple[tuple[int, ...], ...] = ()
-    """Elements of each parameter, per optimizer group of the recipes, in order: the
-    layout DeepSpeed partitions (:mod:`dpkit.engines.deepspeed.layout`). Empty for a bare count."""
-    param_order: tuple[tuple[int, int], ...] = ()
-    """(group, index in ``param_groups``) of every parameter in the model's own order:
-    backward produces their gradients roughly in reverse. Empty for a bare count."""
-    param_shapes: tuple[tuple[int, ...], ...] = ()
-    """The shape of every parameter in the model's own order (tied ones once): FSDP2 shards
-    each on dim 0 (:mod:`dpkit.engines.fsdp2.layout`). Empty for a bare count."""
-    param_units: tuple[int, ...] = ()
-    """For each of ``param_shapes``, the FSDP2 unit holding it: the index of the
-    transformer layer (a module of a class in the model's ``_no_split_modules``) it is
-    in, or -1 for the root (embeddings, head, final norm). Empty for a bare count."""
-    module_buffer_bytes: int = 0
-    """Bytes of the module's own buffers (position ids, rotary frequencies), which the
-    memory report counts among its buffers."""
-    task: str = "causal_lm"
-    """The head the model is built with for the activation trace: the transformers class
-    it was built as (``BertForSequenceClassification``), or ``causal_lm`` where that is
-    unknown (a bare count, a class transformers does not export)."""
-    frozen_params: int = 0
-    """Parameters that do not train (LoRA's frozen weights): held, with no gradient and
-    no optimizer state. ``num_params`` counts the ones that train."""
-    trainable: tuple[bool, ...] = ()
-    """For each of ``param_shapes``, whether it trains (empty: all do)."""
-    lora: dict[str, Any] | None = field(default=None, compare=False)
-    """The LoRA adapters the model carries (:func:`dpkit.lora.lora_settings`), which the
-    activation trace puts back on the model it builds; None without."""
-
-    def shapes_where(self, trains: bool) -> tuple[tuple[int, ...], ...]:
-        """The shapes of the parameters that train (or, ``trains=False``, that do not)."""
-        if not self.trainable:
-            return self.param_shapes if trains else ()
-        return tuple(
-            s for s, t in zip(self.param_shapes, self.trainable, strict=True) if t == trains
-        )
-
-    @property
-    def has_shapes(self) -> bool:
-        return self.config is not None
-
-    def shape(self, *names: str, default: Any = None) -> Any:
-        """The first of ``names`` the config defines (configs name the same shape differently)."""
-        for name in names:
-            value = getattr(self.config, name, None)
-            if value is not None:
-                return value
-        return default
-
-    @property
-    def hidden_size(self) -> int | None:
-        return self.shape("hidden_size", "n_embd", "d_model")
-
-    @property
-    def max_positions(self) -> int | None:
-        return max_positions(self.config) if self.config is not None else None
-
-
 def _load_config(name: str) -> tuple[Any, str]:
     from transformers import AutoConfig
 
@@ -278,11 +192,11 @@ def spec_from_model(
     (:func:`~dpkit.models.adamw_param_groups`). ``config``: the model's config (None:
     ``model.config``, where it has one).
     """
+    from dpkit.engines import ENGINES
     from dpkit.lora import is_lora_model, lora_settings
 
     lora = lora_settings(model)
     head = model.get_base_model() if is_lora_model(model) else model
-    threshold = PERSISTENCE_THRESHOLD
     # parameters() yields each Parameter once, so tied weights count once
     # (dpkit.models.count_parameters keys on data_ptr, which is 0 for every meta tensor).
     params = list(model.parameters())
@@ -293,7 +207,11 @@ def spec_from_model(
     if param_groups is None:
         param_groups = [group["params"] for group in adamw_param_groups(model, 0.0)]
     where = {id(p): (g, i) for g, group in enumerate(param_groups) for i, p in enumerate(group)}
-    unit_of = fsdp2_units(model)
+    # What each backend's plan reads of the parameters besides their sizes (ZeRO-3's
+    # persistent small tensors, FSDP2's units).
+    backend_facts: dict[str, Any] = {}
+    for engine in ENGINES:
+        backend_facts.update(engine.model_facts(model, params))
     import transformers
 
     # The class itself, not the task asked for: activations follow the head it really has.
@@ -309,40 +227,15 @@ def spec_from_model(
         lora=lora,
         config=config if config is not None else getattr(model, "config", None),
         largest_layer_params=largest,
-        small_tensor_params=sum(p.numel() for p in params if p.numel() < threshold),
         gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
         param_groups=tuple(tuple(p.numel() for p in group) for group in param_groups),
         param_order=tuple(where[id(p)] for p in params if id(p) in where),
         param_shapes=tuple(tuple(int(d) for d in p.shape) for p in params),
-        param_units=tuple(unit_of.get(id(p), -1) for p in params),
         # init_empty_weights leaves buffers real, so their sizes are known on meta too.
         module_buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         task=task,
+        **backend_facts,
     )
-
-
-def fsdp2_units(model: Any) -> dict[int, int]:
-    """``id(parameter)`` -> the index of the layer dpkit's FSDP2 makes a unit of it in, for
-    the parameters inside one (the innermost where they nest); the rest belong to the
-    root. The layer classes are the ones a run picks by default
-    (:func:`dpkit.engines.fsdp2.shard.layer_classes`); a model without any has only the root. A
-    module ``fully_shard`` already wrapped keeps its class among its bases, so a live
-    model reads the same."""
-    from dpkit.engines.fsdp2.shard import layer_classes
-
-    try:
-        classes = set(layer_classes(model, asked_by="dpkit plan"))
-    except UsageError:  # no recognisable layers: a run would need --fsdp-layer-classes
-        classes = set()
-    unit_of: dict[int, int] = {}
-    index = 0
-    for module in model.modules():  # parents first: an inner layer overrides its parent
-        if module is model or not any(c.__name__ in classes for c in type(module).__mro__):
-            continue
-        for param in module.parameters():
-            unit_of[id(param)] = index
-        index += 1
-    return unit_of
 
 
 def spec_record(spec: ModelSpec) -> dict[str, Any]:
@@ -392,82 +285,3 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
 
 
 # --- the request --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PlanInputs:
-    """A validated request: the model, the machines and the training step."""
-
-    model: ModelSpec
-    """The model to plan for."""
-    gpus_per_node: int = 8
-    """GPUs in each node."""
-    nodes: int = 1
-    """Nodes; the data-parallel world size is ``gpus_per_node * nodes``."""
-    gpu_memory: int = 80 * GIB
-    """Bytes of memory on each GPU."""
-    precision: str = "bf16"
-    """``fp32``, or ``bf16``/``fp16`` mixed precision."""
-    optimizer: str = "adamw"
-    """``adamw``, ``sgd``, ``sgd_momentum``, or ``cpu_adam`` (offload only)."""
-    micro_batch: int = 1
-    """Samples per GPU per forward."""
-    gradient_accumulation_steps: int = 1
-    """Micro-batches per optimizer step (ZeRO-2 holds more gradients when above 1)."""
-    seq_len: int = 1024
-    """Tokens per sample."""
-    activation_checkpointing: bool = False
-    """Recompute each layer in backward, keeping only its input."""
-    attention: str = "sdpa"
-    """``sdpa`` (a fused kernel on GPUs) or ``eager`` (scores materialised)."""
-    activation_method: str = "trace"
-    """``trace`` the model on the meta device, or the paper ``formula``."""
-    reserve: int = 2 * GIB
-    """Bytes per GPU for the CUDA context, NCCL and allocator slack."""
-    headroom: float = 0.10
-    """Share of each GPU kept free: a plan fits if its total is within the rest."""
-
-    def __post_init__(self) -> None:
-        checks = (
-            ("--gpus-per-node", self.gpus_per_node, self.gpus_per_node > 0, "must be positive"),
-            ("--nodes", self.nodes, self.nodes > 0, "must be positive"),
-            ("--gpu-memory", self.gpu_memory, self.gpu_memory > 0, "must be positive"),
-            ("--micro-batch", self.micro_batch, self.micro_batch > 0, "must be positive"),
-            (
-                "--gradient-accumulation-steps",
-                self.gradient_accumulation_steps,
-                self.gradient_accumulation_steps > 0,
-                "must be positive",
-            ),
-            ("--seq-len", self.seq_len, self.seq_len > 0, "must be positive"),
-            ("--reserve", self.reserve, self.reserve >= 0, "must not be negative"),
-            ("--headroom", self.headroom, 0 <= self.headroom < 1, "must be in [0, 1)"),
-            ("--precision", self.precision, self.precision in PRECISIONS, "unknown"),
-            ("--optimizer", self.optimizer, self.optimizer in OPTIMIZER_CHOICES, "unknown"),
-            ("--attention", self.attention, self.attention in ATTENTION_CHOICES, "unknown"),
-        )
-        for flag, value, ok, problem in checks:
-            if not ok:
-                raise UsageError(f"{flag}={value!r}: {problem}")
-        positions = self.model.max_positions
-        if positions is not None and self.seq_len > positions:
-            raise UsageError(
-                f"--seq-len={self.seq_len}: longer than the model's {positions} positions"
-            )
-        if self.usable <= self.reserve:
-            raise UsageError(
-                f"--gpu-memory={self.gpu_memory / GIB:.1f}GiB: nothing left after --reserve "
-                f"and --headroom"
-            )
-
-    @property
-    def world_size(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-    @property
-    def usable(self) -> float:
-        """Bytes per GPU a plan may use: the GPU less the headroom."""
-        return self.gpu_memory * (1 - self.headroom)
-
-
-# --- buffers and step temporaries ---------------------------------------------------

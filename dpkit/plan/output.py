@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpkit.core.spec import PlanInputs
+from dpkit.core.units import GIB, format_gib
+from dpkit.engines import STRATEGIES, engine_of, get_strategy
 from dpkit.plan.estimate import StrategyEstimate
-from dpkit.plan.inputs import GIB, PlanInputs
-from dpkit.plan.recommend import Plan, format_gib
-from dpkit.strategy import STRATEGIES, get_strategy
+from dpkit.plan.recommend import Plan
 
 # The first column fits the longest label ("FSDP2 shard-grad-op").
 LABEL_WIDTH = max(len(s.label) for s in STRATEGIES.values()) + 2
@@ -113,12 +114,12 @@ def format_table(plan: Plan) -> str:
         f"; largest micro-batch that fits under it: {largest}" if largest is not None else ""
     )
     offloaded = [r for r in plan.rows if r.applicable and r.host_offload]
-    engines = list(dict.fromkeys(get_strategy(r.strategy).engine for r in plan.rows))
+    engines = list(dict.fromkeys(engine_of(r.strategy) for r in plan.rows))
     laid_out = [r for r in plan.rows if r.applicable and r.grads_where]
     lines += [
         total_rule,
         *(
-            f"{r.label} grads: {get_strategy(r.strategy).engine.label}'s layout, worst "
+            f"{r.label} grads: {engine_of(r.strategy).label}'s layout, worst "
             f"{r.grads_where}: {format_gib(r.grads)} (the ZeRO paper's figure: "
             f"{format_gib(r.grads_paper)})"
             for r in laid_out
@@ -139,7 +140,8 @@ def format_table(plan: Plan) -> str:
         *(
             note
             for r in plan.rows
-            if r.applicable and (note := get_strategy(r.strategy).engine.plan_row_note(r))
+            if r.applicable
+            and (note := engine_of(r.strategy).plan_row_note(get_strategy(r.strategy), r))
         ),
         "not counted:",
         *(f"  - {item}" for item in NOT_COUNTED),

@@ -1,6 +1,6 @@
 """The plan: every strategy's estimate, and the least sharding that fits.
 
-:func:`make_plan` estimates each strategy of :data:`dpkit.strategy.STRATEGIES`
+:func:`make_plan` estimates each strategy of :data:`dpkit.engines.STRATEGIES`
 with :func:`dpkit.plan.estimate.estimate`, recommends the first that fits in
 :func:`recommendation_order` (least sharding first, what dpkit runs before what it
 shows for reference), and says why in a sentence or two; when none fits it raises a
@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from dpkit.core.spec import PlanInputs
+from dpkit.core.strategy import Strategy
+from dpkit.core.units import GIB
+from dpkit.engines import STRATEGIES, engine_of, get_strategy
 from dpkit.errors import UsageError
 from dpkit.plan.activations import ActivationProfile, activation_profile
 from dpkit.plan.estimate import (
@@ -20,8 +24,6 @@ from dpkit.plan.estimate import (
     estimate,
     largest_micro_batch,
 )
-from dpkit.plan.inputs import GIB, PlanInputs
-from dpkit.strategy import STRATEGIES, Strategy, get_strategy
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Plan:
     settings: dict[str, Any]
     """DDP/ZeRO buffer settings assumed."""
     rows: list[StrategyEstimate]
-    """One estimate per strategy, in the order of :data:`dpkit.strategy.STRATEGIES`."""
+    """One estimate per strategy, in the order of :data:`dpkit.engines.STRATEGIES`."""
     largest_micro_batches: dict[str, int | None]
     """Per strategy name, the largest micro-batch that fits (None: unknown)."""
     recommended: str
@@ -80,7 +82,7 @@ def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: Plan
         too_big = [f"{r.label} needs {format_gib(r.total)}" for r in skipped if r.applicable]
         usable = format_gib(inputs.usable)
         prefix = f"{'; '.join(too_big)}, over the {usable} usable per GPU. " if too_big else ""
-    return prefix + strategy.engine.why(strategy, chosen, inputs)
+    return prefix + engine_of(strategy).why(strategy, chosen, inputs)
 
 
 def _nothing_fits(inputs: PlanInputs, rows: list[StrategyEstimate]) -> UsageError:

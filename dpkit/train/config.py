@@ -6,14 +6,12 @@ bad input costs one line and exit code 2, never a half-started job.
 
 from __future__ import annotations
 
-import difflib
 import os
 import sys
-from dataclasses import asdict, dataclass, field, fields
-from typing import NoReturn
+from dataclasses import asdict, dataclass, field
 
-from dpkit.errors import EXIT_USAGE, UsageError, check_field
-from dpkit.strategy import RUNNABLE, get_strategy
+from dpkit.engines import RUNNABLE, engine_of, get_strategy
+from dpkit.errors import UsageError, check_field
 
 STRATEGY_CHOICES = ("auto", *(strategy.name for strategy in RUNNABLE))
 PRECISION_CHOICES = ("no", "bf16", "fp16")
@@ -158,7 +156,11 @@ class StrategyConfig:
 
             find_config(self.deepspeed, "--deepspeed")  # here, or a shipped config's name
         named = None if self.strategy == "auto" else get_strategy(self.strategy)
-        if self.deepspeed is not None and named is not None and not named.engine.reads_config_file:
+        if (
+            self.deepspeed is not None
+            and named is not None
+            and not engine_of(named).reads_config_file
+        ):
             raise UsageError(
                 f"--strategy={self.strategy} conflicts with --deepspeed={self.deepspeed!r}: "
                 "drop one of them"
@@ -199,78 +201,6 @@ class StrategyConfig:
                 self.lora_target_modules,
                 "name at least one layer",
             )
-
-
-def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
-    """Parse a command line into ``config_classes`` (dataclasses, validated when built) with
-    transformers' ``HfArgumentParser``.
-
-    A run starts here: dpkit's log lines and library warnings are set to appear once per
-    job (:func:`dpkit.train.run.log_once_per_job`). Bad input (argparse's own errors, a
-    misspelled flag, a value a dataclass refuses)
-    prints one line naming the flag and its value, once for the job
-    (:func:`dpkit.train.guards.print_usage_error`: rank 0's; every rank parses the same
-    line), and exits with code 2, before anything starts. ``--local_rank=N``,
-    which the ``deepspeed`` launcher appends, is dropped (``LOCAL_RANK`` carries it).
-    """
-    from transformers import HfArgumentParser
-
-    class OneLineParser(HfArgumentParser):
-        """argparse prints its whole usage before an error; ours is one line."""
-
-        def error(self, message: str) -> NoReturn:
-            raise UsageError(message)
-
-    from dpkit.train.run import log_once_per_job
-
-    log_once_per_job()  # a run starts here: dpkit's lines and library warnings once per job
-    parser = OneLineParser(config_classes)
-    argv = _without_local_rank(sys.argv[1:] if argv is None else argv)
-    try:
-        _, remaining = parser.parse_known_args(args=argv)
-        if remaining:
-            raise _unknown_argument(remaining, config_classes)
-        configs = tuple(parser.parse_args_into_dataclasses(args=argv))
-        from dpkit.train.resolution import check_launch
-
-        for cfg in configs:
-            if isinstance(cfg, StrategyConfig):
-                check_launch(cfg)  # a bad DeepSpeed JSON before the script loads its model
-        return configs
-    except UsageError as err:
-        from dpkit.train.guards import print_usage_error
-
-        # One line for the job: rank 0's. Another rank waits for the launcher to end it
-        # first; leaving at once let the launcher kill rank 0 before it printed (seen).
-        print_usage_error(err)
-        raise SystemExit(EXIT_USAGE) from None
-
-
-def _without_local_rank(argv: list[str]) -> list[str]:
-    """``argv`` without the deepspeed launcher's ``--local_rank=N`` / ``--local_rank N``."""
-    kept, skip = [], False
-    for arg in argv:
-        if skip:
-            skip = False
-        elif arg.replace("-", "_") == "__local_rank":
-            skip = True
-        elif not arg.replace("-", "_").startswith("__local_rank="):
-            kept.append(arg)
-    return kept
-
-
-def _unknown_argument(remaining: list[str], config_classes: tuple[type, ...]) -> UsageError:
-    """What HfArgumentParser would raise as a bare ValueError, with the closest flag."""
-    flag, _, value = remaining[0].partition("=")
-    if not flag.startswith("-"):
-        return UsageError(f"{flag!r}: unexpected argument (flags take the form --name value)")
-    if not value and len(remaining) > 1 and not remaining[1].startswith("-"):
-        value = remaining[1]
-    flags = [f"--{f.name.replace('_', '-')}" for cls in config_classes for f in fields(cls)]
-    close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    shown = f"{flag}={value}" if value else flag
-    return UsageError(f"{shown}: not a flag of this recipe{hint}")
 
 
 def config_dict(*configs: object) -> dict:

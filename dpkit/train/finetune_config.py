@@ -14,8 +14,9 @@ from typing import Any
 
 from dpkit.errors import UsageError, check_field
 from dpkit.models import max_positions
-from dpkit.train.config import StrategyConfig, check_choice, parse_args
+from dpkit.train.config import StrategyConfig, check_choice
 from dpkit.train.output import check_output_dir
+from dpkit.train.parsing import parse_args
 
 SCALE_LR_CHOICES = ("none", "linear", "sqrt")
 SCHEDULER_CHOICES = ("linear", "cosine", "constant_with_warmup")

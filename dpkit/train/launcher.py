@@ -22,12 +22,11 @@ works around itself (measured, see docs/stack-notes.md):
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
-from dpkit.engines import ENGINES
+from dpkit.core.launch import Launch
+from dpkit.engines import ENGINES, REFERENCE, engine_of, get_strategy
 from dpkit.errors import UsageError
-from dpkit.strategy import REFERENCE, Strategy, get_strategy
 
 PRECISIONS = ("no", "bf16", "fp16")
 # Where launchers say how many processes they started on this node: torchrun and
@@ -39,38 +38,6 @@ _OFFLOAD_SETTINGS = {
     "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "offload_optimizer_device",
     "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "offload_param_device",
 }
-
-
-@dataclass(frozen=True)
-class Launch:
-    """What will run, decided from the recipe flags and the launcher's environment."""
-
-    strategy: Strategy
-    """The strategy."""
-    source: str
-    """Where the choice came from, for the log (a flag, a launcher, a config file)."""
-    precision: str = "no"
-    """``no``, ``bf16`` or ``fp16`` (accelerate's names)."""
-    world_size: int = 1
-    """Processes the launcher started (``WORLD_SIZE``), checked once the group is up."""
-    config_path: str | None = None
-    """The backend's config file the launch named (a DeepSpeed JSON), or None."""
-    config_template: Mapping[str, Any] | None = None
-    """That file as read, ``"auto"`` values still in it."""
-    fsdp_layer_override: tuple[str, ...] = ()
-    """FSDP2 layer classes the launcher named (``fsdp_transformer_layer_cls_to_wrap``)."""
-    notes: tuple[str, ...] = ()
-    """How a config file was found when not where it was named, for the run's log."""
-
-
-def uses_accelerate_without_backend(env: Mapping[str, str]) -> bool:
-    """``accelerate launch`` with no DeepSpeed or FSDP config (its env marks every launch
-    with ``ACCELERATE_DYNAMO_BACKEND``)."""
-    return (
-        "ACCELERATE_DYNAMO_BACKEND" in env
-        and env.get("ACCELERATE_USE_DEEPSPEED", "false").lower() != "true"
-        and env.get("ACCELERATE_USE_FSDP", "false").lower() != "true"
-    )
 
 
 def check_launcher(env: Mapping[str, str]) -> None:
@@ -95,6 +62,12 @@ def read_launch(args: Any, env: Mapping[str, str], *, on_cuda: bool) -> Launch:
     that the launcher can run it.
     """
     check_launcher(env)
+    named = None if args.strategy == "auto" else get_strategy(args.strategy)
+    if args.deepspeed is not None and named is not None and not engine_of(named).reads_config_file:
+        raise UsageError(
+            f"--strategy={args.strategy} conflicts with --deepspeed={args.deepspeed!r}: "
+            f"{engine_of(named).label} takes no DeepSpeed config; drop one of them"
+        )
     world_size = int(env.get("WORLD_SIZE", "1"))
     # The first engine whose launcher started this process (accelerate's or DeepSpeed's
     # own env, a DeepSpeed JSON); none: the flag (or DDP) says.
@@ -103,7 +76,7 @@ def read_launch(args: Any, env: Mapping[str, str], *, on_cuda: bool) -> Launch:
     )
     if launch is None:
         strategy = REFERENCE if args.strategy == "auto" else get_strategy(args.strategy)
-        launch = strategy.engine.from_flag(strategy, args, env)
+        launch = engine_of(strategy).from_flag(strategy, args, env)
     precision = read_precision(args.mixed_precision, env, on_cuda=on_cuda)
     return Launch(
         strategy=launch.strategy,

@@ -89,7 +89,7 @@ class StepPhases:
             model: the prepared model (hooks go on the wrapper, so DDP's and the engine's
                 own work in forward counts as forward).
             optimizer: the prepared optimizer; the hooks go on the ``torch.optim.Optimizer``
-                inside it (:func:`dpkit.memory.walk.inner_torch_optimizer`). None, or none
+                inside it (:func:`dpkit.core.walk.inner_torch_optimizer`). None, or none
                 inside: no ``optimizer_s`` (the time from the last forward on counts in ``other_s``).
         """
         self.model = model
@@ -100,7 +100,7 @@ class StepPhases:
             model.register_forward_pre_hook(lambda module, args: self._event("forward_start")),
             model.register_forward_hook(self._forward_end),
         ]
-        from dpkit.memory.walk import inner_torch_optimizer
+        from dpkit.core.walk import inner_torch_optimizer
 
         inner = inner_torch_optimizer(optimizer)
         if inner is not None:
@@ -148,26 +148,3 @@ class StepPhases:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-
-def ddp_timing(model: Any) -> dict[str, float] | None:
-    """DDP's own averages, in seconds per iteration (its logger samples its first 10
-    iterations and every 100th), or None when ``model`` is not DDP-wrapped:
-    ``forward_compute_s``, ``backward_compute_s``, ``backward_comm_s`` (the allreduce,
-    start of the first to end of the last) and ``backward_comm_exposed_s`` (the part of
-    it not overlapped with backward compute: what the backward waits on)."""
-    logging_data = getattr(model, "_get_ddp_logging_data", None)
-    if logging_data is None:
-        return None
-    data = logging_data()
-    if not data.get("avg_backward_comm_time"):
-        return None  # no iteration recorded yet (DDP records one when the next forward starts)
-    # DDP's logger sets the four averages together, in integer nanoseconds (c10d's logger).
-    seconds = {
-        "forward_compute_s": data["avg_forward_compute_time"] / 1e9,
-        "backward_compute_s": data["avg_backward_compute_time"] / 1e9,
-        "backward_comm_s": data["avg_backward_comm_time"] / 1e9,
-    }
-    overlap = data["avg_backward_compute_comm_overlap_time"] / 1e9
-    seconds["backward_comm_exposed_s"] = max(seconds["backward_comm_s"] - overlap, 0.0)
-    return seconds

@@ -19,11 +19,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dpkit.core.strategy import Strategy
+from dpkit.engines import engine_of
 from dpkit.engines.base import EngineSettings
 from dpkit.errors import UsageError
 from dpkit.lora import LoraSettings
 from dpkit.models import ModelSizes
-from dpkit.strategy import Strategy
 from dpkit.train.config import StrategyConfig
 from dpkit.train.launcher import check_accelerate_settings, read_launch
 
@@ -97,7 +98,7 @@ class Resolution:
     @property
     def engine(self) -> Any:
         """The backend that runs :attr:`strategy`."""
-        return self.strategy.engine
+        return engine_of(self.strategy)
 
     @property
     def notes(self) -> tuple[str, ...]:
@@ -181,7 +182,7 @@ def resolve(
         ds_template=launch.config_template,
         fsdp_layer_override=args.fsdp_layer_class_names or launch.fsdp_layer_override,
     )
-    settings = launch.strategy.engine.configure(launch.strategy, request)
+    settings = engine_of(launch.strategy).configure(launch.strategy, request)
     if launch.notes:  # said once, with the engine's own notes, when the run starts
         settings = dataclasses.replace(settings, notes=(*launch.notes, *settings.notes))
     return Resolution(
@@ -205,7 +206,7 @@ def check_launch(args: StrategyConfig, env: Mapping[str, str] | None = None) -> 
     """What can be checked of the launch before the model exists: the DeepSpeed JSON
     (found, read, its keys and stage), the launcher against the flags, the precision.
 
-    :func:`dpkit.train.config.parse_args` calls it, so that a bad ``--deepspeed`` file is
+    :func:`dpkit.train.parsing.parse_args` calls it, so that a bad ``--deepspeed`` file is
     refused before a script loads its model; :func:`resolve` does it all again with the
     model.
 

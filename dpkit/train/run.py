@@ -30,18 +30,15 @@ restores a checkpoint being resumed and starts the per-rank memory accounting.
 from __future__ import annotations
 
 import logging
-import os
-import socket
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from typing import Any
 
+from dpkit.core.strategy import Strategy
+from dpkit.engines import engine_of
 from dpkit.errors import UsageError
-from dpkit.strategy import Strategy
-from dpkit.train.config import StrategyConfig
-from dpkit.train.launcher import check_ranks_per_gpu, local_process_count
-from dpkit.train.resolution import Resolution, resolve
+from dpkit.train.accelerator import start_accelerator
+from dpkit.train.resolution import Resolution
 
 logger = logging.getLogger("dpkit")
 
@@ -183,7 +180,7 @@ class Run:
     @property
     def engine(self) -> Any:
         """The backend that runs the strategy (:mod:`dpkit.engines`)."""
-        return self.resolution.strategy.engine
+        return engine_of(self.resolution.strategy)
 
     @property
     def world_size(self) -> int:
@@ -269,17 +266,17 @@ class Run:
         parameters is switched onto the shards (it must not have stepped yet).
         """
         from dpkit.checkpoints.checkpointer import Checkpointer, Position
+        from dpkit.core.walk import unwrap_module
         from dpkit.memory.tracker import model_record
-        from dpkit.memory.walk import unwrap_module
 
         if self.resolution.gradient_checkpointing:
             from dpkit.models import enable_gradient_checkpointing
 
-            for module in (o for o in objects if _is_module(o)):
+            for module in (o for o in objects if is_module(o)):
                 enable_gradient_checkpointing(module)
         _check_lora(self.resolution.lora, objects)
         prepared = self.engine.prepare(self, objects)
-        model = next((o for o in prepared if _is_module(o)), None)
+        model = next((o for o in prepared if is_module(o)), None)
         optimizer = next((o for o in prepared if _is_optimizer(o)), None)
         if model is None or optimizer is None:
             raise UsageError("run.prepare: give it the model and its optimizer (and the loaders)")
@@ -440,7 +437,7 @@ def _check_lora(asked: Any, objects: Sequence[Any]) -> None:
     the script made itself, without ``--lora-r``, runs as it is (and is counted so)."""
     from dpkit.lora import is_lora_model
 
-    model = next((o for o in objects if _is_module(o)), None)
+    model = next((o for o in objects if is_module(o)), None)
     optimizer = next(
         (o for o in objects if _is_optimizer(o) or type(o).__name__ == "DummyOptim"), None
     )
@@ -467,7 +464,7 @@ def _check_lora(asked: Any, objects: Sequence[Any]) -> None:
         )
 
 
-def _is_module(obj: Any) -> bool:
+def is_module(obj: Any) -> bool:
     import torch
 
     return isinstance(obj, torch.nn.Module)
@@ -483,287 +480,3 @@ def _is_scheduler(obj: Any) -> bool:
     from accelerate.scheduler import AcceleratedScheduler
 
     return isinstance(obj, AcceleratedScheduler)
-
-
-class _ErrorsOnly(logging.Filter):
-    """Lets errors through, nothing else."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR
-
-
-class _WithoutCpuNotice(logging.Filter):
-    """Drops DeepSpeed's "Setting accelerator to CPU" (dpkit's start-up line names the
-    device; DeepSpeed's launchers print the notice themselves)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return "Setting accelerator to CPU" not in record.getMessage()
-
-
-def log_once_per_job(is_main_process: bool | None = None) -> None:
-    """dpkit's own lines from the main process; library warnings once per job.
-
-    dpkit's logger gets a handler of its own only when the script configured none (so
-    its lines show in a bare script); other ranks log warnings and errors only, and
-    transformers, datasets and Python warnings stay quiet there: every rank would print
-    the same copy. Errors on any rank still reach the terminal. ``None``: the main
-    process is global rank 0 of the launcher's environment (before any process group;
-    :func:`start_accelerator` calls it again with accelerate's answer). A run sets this when it
-    starts (:func:`dpkit.train.config.parse_args`, :func:`setup`): importing dpkit
-    changes nothing.
-    """
-    import warnings
-
-    if is_main_process is None:
-        is_main_process = os.environ.get("RANK", "0") == "0"
-    dpkit_logger = logging.getLogger("dpkit")
-    if not dpkit_logger.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-        dpkit_logger.addHandler(handler)
-        dpkit_logger.propagate = False
-    dpkit_logger.setLevel(logging.INFO if is_main_process else logging.WARNING)
-    # DeepSpeed's logger is created on import, and its level set then: filters outlive that.
-    deepspeed_logger = logging.getLogger("DeepSpeed")
-    wanted = _WithoutCpuNotice if is_main_process else _ErrorsOnly
-    if not any(isinstance(f, wanted) for f in deepspeed_logger.filters):
-        deepspeed_logger.addFilter(wanted())
-    if not is_main_process:
-        import datasets
-        import transformers
-
-        transformers.logging.set_verbosity_error()
-        datasets.logging.set_verbosity_error()
-        datasets.disable_progress_bars()
-        transformers.utils.logging.disable_progress_bar()
-        warnings.filterwarnings("ignore", category=FutureWarning)
-        warnings.filterwarnings("ignore", category=UserWarning)
-        warnings.filterwarnings("ignore", category=DeprecationWarning)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_accelerator(
-    resolution: Resolution,
-    *,
-    data_seed: int | None = None,
-    step_scheduler_with_optimizer: bool = True,
-    log_with: str | None = None,
-    project_dir: str | None = None,
-) -> Any:
-    """Build the Accelerator for ``resolution`` (its engine says what accelerate needs) and
-    start the process group.
-
-    Under NCCL, first refuses (:class:`~dpkit.errors.UsageError`, before the group) more
-    processes on this node than visible GPUs, and logs once how a collective timeout
-    ends the run (:func:`~dpkit.train.guards.nccl_timeout_notice`).
-
-    Args:
-        data_seed: seed accelerate's sampler (``use_seedable_sampler``): the shuffle order
-            of epoch e is then a function of (data_seed, e) alone, the same on every rank and
-            world size and reproducible on resume. None: accelerate's default sampler.
-        step_scheduler_with_optimizer: accelerate's switch (its default: True steps a
-            prepared scheduler once per process per step, for schedules counted in
-            unsharded batches). dpkit's recipes count optimizer steps and pass False.
-        log_with, project_dir: accelerate's trackers.
-    """
-    from dpkit.train.guards import nccl_timeout_notice
-
-    if resolution.backend == "nccl":
-        import torch
-
-        # Here, before the group: NCCL itself refuses two ranks on one GPU only once the
-        # group is up, in an error that names neither the launch flag nor the count.
-        local_processes, source = local_process_count(os.environ)
-        check_ranks_per_gpu(local_processes, torch.cuda.device_count(), source=source)
-    # Read before the group starts, from the environment torch's NCCL backend reads;
-    # dpkit sets none of its variables (why: nccl_timeout_notice).
-    timeout_notice = nccl_timeout_notice(
-        resolution.backend, os.environ, resolution.collective_timeout_s
-    )
-
-    from accelerate import Accelerator
-    from accelerate.utils import DataLoaderConfiguration, InitProcessGroupKwargs
-
-    engine = resolution.engine
-    handlers: list = []
-    if resolution.world_size > 1 or engine.needs_process_group:
-        # Naming the backend is what makes `accelerate launch --use_deepspeed` form a
-        # real N-process group on CPU; a single plain process must not get one.
-        handlers.append(
-            InitProcessGroupKwargs(
-                backend=resolution.backend,
-                timeout=timedelta(seconds=resolution.collective_timeout_s),
-            )
-        )
-    if engine.needs_process_group and "RANK" not in os.environ:
-        # The rendezvous reads these even for one process (plain `python recipe.py
-        # --strategy zero2`); this process is then the whole job.
-        os.environ.update(
-            RANK="0",
-            LOCAL_RANK="0",
-            WORLD_SIZE="1",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(_free_port()),
-        )
-    options = engine.accelerator_options(resolution.strategy, resolution)
-    handlers += options.pop("kwargs_handlers", [])
-    dataloader_config = None
-    if data_seed is not None:
-        dataloader_config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=data_seed)
-    accelerator = Accelerator(
-        mixed_precision=resolution.precision,
-        gradient_accumulation_steps=resolution.gradient_accumulation_steps,
-        step_scheduler_with_optimizer=step_scheduler_with_optimizer,
-        dataloader_config=dataloader_config,
-        kwargs_handlers=handlers,
-        log_with=log_with,
-        project_dir=project_dir,
-        **options,
-    )
-    log_once_per_job(accelerator.is_main_process)
-    if timeout_notice is not None and accelerator.num_processes > 1:
-        logger.info("%s", timeout_notice)
-    for note in resolution.notes:
-        logger.info("%s", note)
-    if accelerator.num_processes > 1:
-        # A lazily connected process group (NCCL's default; TORCH_GLOO_LAZY_INIT=1 on CPU)
-        # lets the main process run ahead of a slower rank still parsing its arguments,
-        # which then refused --output-dir as "holds another run" the main process had just
-        # started (measured): every rank passes here before anything is written.
-        accelerator.wait_for_everyone()
-    return accelerator
-
-
-def setup(
-    args: StrategyConfig | None = None,
-    *,
-    model: Any,
-    micro_batch_size: int,
-    gradient_accumulation_steps: int = 1,
-    max_grad_norm: float = 0.0,
-    learning_rate: float | None = None,
-    scale_lr: str = "none",
-    weight_decay: float | None = None,
-    output_dir: str | None = None,
-    configs: tuple[Any, ...] = (),
-    resume: Any = None,
-    seed: int = 0,
-    data_seed: int | None = None,
-    tokenizer: Any = None,
-    keep_last: int = 0,
-    save_checkpoints: bool = True,
-    checkpoint_format: str = "sharded",
-    async_save: bool = False,
-    memory_probe_steps: int = 1,
-    step_scheduler_with_optimizer: bool = True,
-    log_with: str | None = None,
-) -> Run:
-    """Build the run: the strategy from the flags and the launcher, resolved and checked,
-    and the Accelerator that runs it on CPU or GPU under every launcher, started at its
-    first use (:attr:`Run.accelerator`, or :meth:`Run.prepare`).
-
-    Bad input (a flag, a DeepSpeed JSON, a launcher that contradicts the flag) prints
-    one line naming the field and the value and exits with code 2, before any process
-    group starts and before anything is written.
-
-    Args:
-        args: the strategy flags (:class:`~dpkit.train.config.StrategyConfig`); None
-            parses them from the command line (``--strategy``, ``--deepspeed``,
-            ``--mixed-precision``, ...; any other flag is refused).
-        model: the model (a ``torch.nn.Module``, its transformers config, or
-            :class:`~dpkit.models.ModelSizes`): ZeRO's buckets and FSDP2's units come from it.
-        micro_batch_size, gradient_accumulation_steps: the batch layout per process.
-        max_grad_norm: the clipping norm the loop uses (0: none); DeepSpeed clips inside
-            its step, so its config gets it too.
-        learning_rate, scale_lr, weight_decay: the peak lr (scaled with the global batch by
-            ``linear`` or ``sqrt``), recorded, and given to a DeepSpeed JSON's optimizer.
-        output_dir: the run folder (``run_config.json``, ``run_info.json``, checkpoints,
-            ``memory_report.json``); None: nothing is written.
-        configs: the script's other flag dataclasses, recorded in ``run_config.json``
-            beside ``args`` and the launcher's environment.
-        resume: a checkpoint to continue (:func:`dpkit.checkpoints.resume.find_resume`):
-            its global batch, model (as named), labels and parameter shapes must be this
-            run's (refused in one line otherwise); :meth:`Run.prepare` restores it, the
-            weights included, whatever ``model`` was loaded from.
-        seed, tokenizer, keep_last, save_checkpoints: recorded with / saved beside each
-            checkpoint; keep the newest ``keep_last`` (0: all); ``False`` writes none.
-        checkpoint_format: ``sharded`` (every rank writes its own part; the ranks share a
-            file system) or ``full`` (gathered, written by the main process).
-        async_save: sharded checkpoints written in the background: each rank copies its
-            part to CPU memory and trains on (``--async-save``).
-        data_seed: seed accelerate's sampler (the same shuffle on every strategy and world size).
-        memory_probe_steps: probe the memory inside the first N optimizer steps (-1: all).
-        step_scheduler_with_optimizer, log_with: accelerate's switches (its trackers).
-    """
-    from dpkit.checkpoints.resume import model_name
-    from dpkit.lora import LoraSettings, meta_copy_with_lora
-    from dpkit.train.config import config_dict, parse_args
-    from dpkit.train.guards import refuse_and_exit
-
-    if args is None:
-        (args,) = parse_args(StrategyConfig)
-    log_once_per_job()
-    with refuse_and_exit():
-        if checkpoint_format not in ("sharded", "full"):
-            raise UsageError(
-                f"checkpoint_format={checkpoint_format!r}: must be 'sharded' or 'full'"
-            )
-        if async_save and checkpoint_format != "sharded":
-            raise UsageError(
-                f"async_save=True: only with sharded checkpoints (checkpoint_format="
-                f"{checkpoint_format!r} gathers the state on the main process)"
-            )
-        name = model_name(model, configs)
-        lora = LoraSettings.from_args(args)
-        if lora is not None:
-            # The adapters placed on a meta copy: a target that matches nothing is refused
-            # here, ZeRO's buckets are sized to what trains, a resume compares the names
-            # the run will have. run.apply_lora puts them on the loaded model.
-            model = meta_copy_with_lora(model, lora)
-        resolution = resolve(
-            args,
-            model=model,
-            micro_batch_size=micro_batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            max_grad_norm=max_grad_norm,
-            learning_rate=learning_rate,
-            scale_lr=scale_lr,
-            weight_decay=weight_decay,
-        )
-        if args.gradient_checkpointing and _is_module(model):
-            from dpkit.models import check_gradient_checkpointing
-
-            # Here, before any process group; run.prepare turns it on in the model it gets
-            # (a recipe checks a meta-device copy here and loads the weights after).
-            check_gradient_checkpointing(model)
-        if resume is not None:
-            resume.check(
-                global_batch_size=resolution.global_batch_size, model=model, model_name=name
-            )
-    return Run(
-        resolution,
-        start_options={
-            "data_seed": data_seed,
-            "step_scheduler_with_optimizer": step_scheduler_with_optimizer,
-            "log_with": log_with,
-            "project_dir": output_dir,
-        },
-        output_dir=output_dir,
-        # Read now: accelerate writes ACCELERATE_* variables of its own once it runs.
-        run_config=config_dict(args, *configs),
-        resume=resume,
-        seed=seed,
-        tokenizer=tokenizer,
-        keep_last=keep_last,
-        save_checkpoints=save_checkpoints,
-        checkpoint_format=checkpoint_format,
-        async_save=async_save,
-        memory_probe_steps=memory_probe_steps,
-        model_name=name,
-    )

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from dpkit import resources
-from dpkit.engines.deepspeed.settings import ZERO_BUCKET_ALIGNMENT
+from dpkit.engines import ENGINES, RUNNABLE, engine_of, get_strategy
 from dpkit.errors import UsageError
-from dpkit.strategy import RUNNABLE, get_strategy
 
 DEFAULT_RECIPE = "train_lm.py"
 DEFAULT_CPU_PROCS = 2
@@ -127,7 +126,7 @@ class TuneConfig:
                 f"baseline_strategy={self.baseline_strategy!r}: one of {', '.join(TUNABLE)}"
             )
         if self.zero_bucket_sizes is not None and not any(
-            get_strategy(name).engine.tunable for name in self.strategies
+            engine_of(name).tunable for name in self.strategies
         ):
             # Buckets are DeepSpeed's; FSDP2 and DDP have none, so the sizes would go unused.
             raise UsageError(
@@ -154,12 +153,12 @@ class TuneConfig:
         ):
             if values is not None and (not values or min(values) < 1):
                 raise UsageError(f"{name}={values}: positive integers")
-        odd = [size for size in self.zero_bucket_sizes or () if size % ZERO_BUCKET_ALIGNMENT]
-        if odd:
-            raise UsageError(
-                f"zero_bucket_sizes: {odd[0]} is not a multiple of {ZERO_BUCKET_ALIGNMENT} "
-                "(DeepSpeed asserts it)"
+        for engine in ENGINES:
+            refusal = next(
+                filter(None, map(engine.bucket_refusal, self.zero_bucket_sizes or ())), None
             )
+            if refusal:
+                raise UsageError(f"zero_bucket_sizes: {refusal}")
         for name, value in (
             ("time_budget_s", self.time_budget_s),
             ("trial_timeout_s", self.trial_timeout_s),
@@ -339,7 +338,8 @@ def _powers_of_two(per_rank: int, keep: int = 3) -> tuple[int, ...]:
 def tune_settings(config: TuneConfig, gpu_count: int, env: dict[str, str]) -> TuneSettings:
     """Fill the defaults and check everything that can be wrong, before any launch."""
     from dpkit.bench.machine import usable_cores
-    from dpkit.plan.inputs import GIB, PlanInputs
+    from dpkit.core.spec import PlanInputs
+    from dpkit.core.units import GIB
 
     path = find_recipe(config.recipe)
     nproc = config.nproc or gpu_count or DEFAULT_CPU_PROCS

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dpkit.bench.results import loss_rtol
-from dpkit.strategy import REFERENCE, get_strategy
+from dpkit.engines import REFERENCE, get_strategy
 from dpkit.tune.trials import OK, Trial
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.bench import launch
-from dpkit.strategy import RUNNABLE, get_strategy
+from dpkit.engines import RUNNABLE, engine_of, get_strategy
 from dpkit.tune import space
 from dpkit.tune.config import TuneSettings
 from dpkit.tune.decide import Decision
@@ -206,9 +206,9 @@ def write_winner(settings: TuneSettings, decision: Decision, out: Path) -> Path 
     where.mkdir(parents=True, exist_ok=True)
     strategy = get_strategy(trial.candidate.strategy)
     config = None
-    if strategy.engine.config_file:  # the backend's config as the winner ran with it
-        config = where / strategy.engine.config_file
-        ran_with = trial_dir(settings, trial.candidate) / "run" / strategy.engine.config_file
+    if engine_of(strategy).config_file:  # the backend's config as the winner ran with it
+        config = where / engine_of(strategy).config_file
+        ran_with = trial_dir(settings, trial.candidate) / "run" / engine_of(strategy).config_file
         shutil.copyfile(ran_with, config)
     yaml = launch.accelerate_config(strategy, {}, where, backend_config=config)
     final = where / "accelerate.yaml"

@@ -21,8 +21,8 @@ from typing import Any
 
 from dpkit.bench import launch
 from dpkit.bench.results import TARGET_PLAN_ERROR_PCT
+from dpkit.engines import engine_of
 from dpkit.errors import UsageError
-from dpkit.strategy import get_strategy
 from dpkit.tune import report, space
 from dpkit.tune.config import TuneConfig, TuneSettings, tune_settings
 from dpkit.tune.decide import decide, verdicts
@@ -179,7 +179,7 @@ class _Tuner:
         if not self.settings.config.zero_variants:
             return candidates
         for strategy in self.settings.config.strategies:
-            if not get_strategy(strategy).engine.tunable:
+            if not engine_of(strategy).tunable:
                 continue
             ran = [
                 t

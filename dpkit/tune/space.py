@@ -29,10 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dpkit.engines.deepspeed.settings import DEEPSPEED_DEFAULT_BUCKET, ZERO_BUCKET_ALIGNMENT
+from dpkit.engines import Engine, engine_of, get_strategy
 from dpkit.plan.estimate import StrategyEstimate
 from dpkit.plan.recommend import recommendation_order
-from dpkit.strategy import get_strategy
 from dpkit.tune.config import TuneSettings
 
 MIB = 2**20
@@ -56,7 +55,7 @@ class Candidate:
     def __post_init__(self) -> None:
         # Only DeepSpeed reads zero_optimization keys; on another engine they would be
         # silently dropped while the trial's name claims them.
-        if self.zero and not get_strategy(self.strategy).engine.tunable:
+        if self.zero and not engine_of(self.strategy).tunable:
             raise ValueError(f"{self.strategy}: zero_optimization keys are DeepSpeed's only")
 
     @property
@@ -181,9 +180,8 @@ def checkpointed_twins(
     return twins
 
 
-def _aligned(elements: float) -> int:
-    elements = int(min(max(elements, MIN_BUCKET), DEEPSPEED_DEFAULT_BUCKET))
-    return -(-elements // ZERO_BUCKET_ALIGNMENT) * ZERO_BUCKET_ALIGNMENT
+def _aligned(engine: Engine, elements: float) -> int:
+    return engine.aligned_bucket(max(elements, MIN_BUCKET))
 
 
 def second_round(
@@ -192,10 +190,14 @@ def second_round(
     """Variants of a DeepSpeed ZeRO candidate's settings around what it ran with
     (``resolved_zero``, the ``zero_optimization`` section of its ``ds_config.json``);
     :class:`ValueError` for any other engine (DDP and FSDP2 have no such settings)."""
-    if not get_strategy(best.strategy).engine.tunable:
+    engine = engine_of(best.strategy)
+    if not engine.tunable:
         raise ValueError(f"{best.name}: only DeepSpeed's ZeRO candidates have a second round")
-    bucket = int(resolved_zero.get("reduce_bucket_size", DEEPSPEED_DEFAULT_BUCKET))
-    sizes = settings.config.zero_bucket_sizes or (_aligned(bucket / 4), _aligned(bucket * 4))
+    bucket = int(resolved_zero.get("reduce_bucket_size", engine.default_bucket))
+    sizes = settings.config.zero_bucket_sizes or (
+        _aligned(engine, bucket / 4),
+        _aligned(engine, bucket * 4),
+    )
     variants: list[tuple[tuple[str, Any], ...]] = [
         (("reduce_bucket_size", int(size)),) for size in sizes if int(size) != bucket
     ]
@@ -212,7 +214,7 @@ class MemoryPlan:
     profile built once, the estimate per candidate with its own settings."""
 
     def __init__(self, settings: TuneSettings) -> None:
-        from dpkit.memory.analytic import canonical_precision
+        from dpkit.core.units import canonical_precision
         from dpkit.plan.activations import activation_profile
         from dpkit.plan.check import recipe_model
 
@@ -247,8 +249,8 @@ class MemoryPlan:
         candidate: its micro-batch and accumulation, its ZeRO keys over dpkit's buffer
         settings. FSDP2's rows come from the model's parameter shapes, each padded on dim
         0 to a multiple of the processes, as ``dpkit plan`` makes them."""
+        from dpkit.core.spec import PlanInputs
         from dpkit.plan.estimate import buffer_settings, estimate
-        from dpkit.plan.inputs import PlanInputs
 
         on_cuda = self.settings.device == "cuda"
         nproc = self.settings.nproc

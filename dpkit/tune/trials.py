@@ -21,7 +21,7 @@ from typing import Any
 
 from dpkit.bench import launch
 from dpkit.bench.results import summarize_memory, summarize_steps
-from dpkit.strategy import get_strategy
+from dpkit.engines import engine_of, get_strategy
 from dpkit.train.output import read_json, read_jsonl
 from dpkit.tune.config import TuneSettings
 from dpkit.tune.space import Candidate
@@ -169,7 +169,7 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
     # ran (DeepSpeed's resolved buckets feed the second round). A backend with none to
     # vary (DDP, FSDP2) writes no config: recorded as None.
     zero = None
-    engine = get_strategy(candidate.strategy).engine
+    engine = engine_of(candidate.strategy)
     if engine.config_file:
         ran_with = run_dir / engine.config_file
         zero = engine.tunable_in_effect(read_json(ran_with) if ran_with.is_file() else {})

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from dpkit.memory.walk import inner_torch_optimizer
+from dpkit.core.walk import inner_torch_optimizer
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 

@@ -6,6 +6,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dpkit.core.launch import Launch
+from dpkit.core.strategy import Strategy
 from dpkit.engines import common
 from dpkit.engines.base import Engine, EngineSettings, Prepared
 from dpkit.engines.ddp import plan
@@ -24,16 +26,18 @@ class DDPSettings(EngineSettings):
     off when every buffer is a constant (:func:`buffers_need_forward_sync`)."""
 
 
+DDP = Strategy("ddp", "DDP", "ddp", 0, summary="a full replica per rank")
+
+
 class DDPEngine(Engine):
     """A full replica per rank; gradients all-reduced in buckets during backward."""
 
     name = "ddp"
     label = "torch DDP"
+    strategies = (DDP,)
     collectives = ("ddp_allreduce",)
 
-    def from_flag(self, strategy: Any, args: Any, env: Mapping[str, str]) -> Any:
-        from dpkit.train.launcher import Launch
-
+    def from_flag(self, strategy: Strategy, args: Any, env: Mapping[str, str]) -> Launch:
         named = args.strategy == strategy.name
         return Launch(
             strategy, f"--strategy {strategy.name}" if named else "default (no DeepSpeed config)"
@@ -75,7 +79,7 @@ class DDPEngine(Engine):
         return Prepared(wrapper, 0, {"ddp_forward_sync_buffers": bool(model.forward_sync_buffers)})
 
     def own_timing(self, model: Any) -> dict[str, Any]:
-        from dpkit.train.phases import ddp_timing
+        from dpkit.engines.ddp.timing import ddp_timing
 
         return {"ddp_timing": ddp_timing(model)}
 
@@ -83,11 +87,10 @@ class DDPEngine(Engine):
         import torch.distributed as dist
 
         from dpkit.engines.ddp import memory
-        from dpkit.strategy import runnable_strategy
 
         world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         if memory.find_ddp(model) is not None or world == 1:
-            return runnable_strategy(self, zero_stage=0)
+            return self.runnable(zero_stage=0)
         return None
 
     # memory, measured

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dpkit.memory.analytic import OPTIMIZER_STATE_BYTES, ModelStateBytes
+from dpkit.core.units import OPTIMIZER_STATE_BYTES, ModelStateBytes
 
 
 def model_state_bytes(num_params: float, optimizer: str) -> ModelStateBytes:
@@ -47,7 +47,7 @@ def autocast_weight_copies(num_params: float, precision: str) -> dict[str, float
 
 def why(strategy: Any, row: Any, inputs: Any) -> str:
     """Why DDP when it fits: nothing needs sharding."""
-    from dpkit.plan.recommend import format_gib
+    from dpkit.core.units import format_gib
 
     return (
         f"{strategy.label} fits ({format_gib(row.total)} of {format_gib(inputs.usable)} "

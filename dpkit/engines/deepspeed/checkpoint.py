@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from dpkit.checkpoints.state import LossScaler
+from dpkit.core.loss_scale import LossScaler
+from dpkit.core.walk import inner_torch_optimizer
 from dpkit.engines.deepspeed.memory import zero_optimizer
-from dpkit.memory.walk import inner_torch_optimizer
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -145,17 +145,17 @@ def _partitioned(zero: Any) -> dict[int, Any]:
 
 
 def own_shards(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dict:
-    """This rank's part of the training state by key (:mod:`dpkit.checkpoints.sharded`):
+    """This rank's part of the training state by key (:mod:`dpkit.core.shards`):
     its fragment of each partitioned parameter's fp32 master and Adam moments (where the
     parameter falls in its partition), an even share of the frozen ones, no gather."""
-    from dpkit.checkpoints import sharded
+    from dpkit.core import shards
 
     zero = zero_optimizer(optimizer)
     partitioned = _partitioned(zero)
     linked = getattr(zero, "_hp_optimizer_states_linked", False)
     if linked:
         _relink_moments(zero, inner_torch_optimizer(optimizer))
-    state = sharded.replicated_state(
+    state = shards.replicated_state(
         module,
         optimizer,
         accelerator.process_index,
@@ -167,11 +167,11 @@ def own_shards(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dic
         if mapping is None:  # not partitioned, or no fragment of it on this rank
             continue
         address = mapping.lp_fragment_address
-        state[sharded.weight_key(name)] = sharded.FlatShard(
+        state[shards.weight_key(name)] = shards.FlatShard(
             param.numel(), address.start, mapping.hp_fragment.detach()
         )
         for moment in ADAM_MOMENTS if linked else ():
-            state[sharded.moment_key(name, moment)] = sharded.FlatShard(
+            state[shards.moment_key(name, moment)] = shards.FlatShard(
                 param.numel(), address.start, mapping.optim_fragment[moment].detach()
             )
     return state
@@ -191,12 +191,12 @@ def load_own_shards(
     into the module's weights on every rank and assemble its flat optimizer state."""
     from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
 
-    from dpkit.checkpoints import sharded
+    from dpkit.core import shards
 
     zero = zero_optimizer(optimizer)
     torch_opt = inner_torch_optimizer(optimizer)
     partitioned = _partitioned(zero)
-    targets = sharded.replicated_targets(
+    targets = shards.replicated_targets(
         module, optimizer, step, with_moments=False, skip=set(partitioned)
     )
     moments: dict[int, dict[str, torch.Tensor]] = {}
@@ -205,7 +205,7 @@ def load_own_shards(
         if mapping is None:
             continue
         address = mapping.lp_fragment_address
-        targets.shards[sharded.weight_key(name)] = sharded.FlatShard(
+        targets.shards[shards.weight_key(name)] = shards.FlatShard(
             param.numel(), address.start, mapping.hp_fragment.data
         )
         if with_moments:
@@ -213,7 +213,7 @@ def load_own_shards(
                 moment: torch.empty_like(mapping.hp_fragment.data) for moment in ADAM_MOMENTS
             }
             for moment, local in moments[id(param)].items():
-                targets.shards[sharded.moment_key(name, moment)] = sharded.FlatShard(
+                targets.shards[shards.moment_key(name, moment)] = shards.FlatShard(
                     param.numel(), address.start, local
                 )
     read(targets.shards)

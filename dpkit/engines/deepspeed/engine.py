@@ -9,11 +9,17 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dpkit.core.launch import Launch, uses_accelerate_without_backend
+from dpkit.core.strategy import Strategy
 from dpkit.engines import common
 from dpkit.engines.base import Engine, EngineSettings, Prepared
 from dpkit.engines.deepspeed import plan
 from dpkit.engines.deepspeed.config import fill_deepspeed_config, optimizer_offload
-from dpkit.engines.deepspeed.settings import zero_memory_settings
+from dpkit.engines.deepspeed.settings import (
+    DEEPSPEED_DEFAULT_BUCKET,
+    ZERO_BUCKET_ALIGNMENT,
+    zero_memory_settings,
+)
 from dpkit.errors import UsageError
 
 
@@ -51,13 +57,31 @@ def _without_env(name: str) -> Iterator[None]:
             os.environ[name] = saved
 
 
+ZERO1 = Strategy("zero1", "ZeRO-1", "deepspeed", 1, summary="optimizer state sharded")
+ZERO2 = Strategy("zero2", "ZeRO-2", "deepspeed", 2, summary="optimizer state and gradients sharded")
+ZERO2_OFFLOAD = Strategy(
+    "zero2_offload",
+    "ZeRO-2 offload",
+    "deepspeed",
+    2,
+    offload=True,
+    runnable=False,
+    summary="ZeRO-2 with optimizer state and master weights in host memory",
+)
+ZERO3 = Strategy(
+    "zero3", "ZeRO-3 (ref)", "deepspeed", 3, runnable=False, summary="parameters sharded too"
+)
+
+
 class DeepSpeedEngine(Engine):
     """ZeRO-1 and ZeRO-2: DeepSpeed's engine and ZeRO optimizer, configured by one JSON."""
 
     name = "deepspeed"
     label = "DeepSpeed ZeRO"
+    strategies = (ZERO1, ZERO2, ZERO2_OFFLOAD, ZERO3)
     config_file = "ds_config.json"
     tunable = ("reduce_bucket_size", "contiguous_gradients", "overlap_comm")
+    default_bucket = DEEPSPEED_DEFAULT_BUCKET
     reads_config_file = True
     needs_process_group = True
     collectives = ("zero_reduce", "zero_allgather")
@@ -66,14 +90,12 @@ class DeepSpeedEngine(Engine):
         "none of ZeRO's is hidden"
     )
 
-    def launched(self, args: Any, env: Mapping[str, str]) -> Any:
+    def launched(self, args: Any, env: Mapping[str, str]) -> Launch | None:
         """An accelerate DeepSpeed launch (its JSON, or dpkit's for its ``--zero_stage``) or a
         ``--deepspeed`` JSON; the two must agree on the stage, and ``--strategy`` with both."""
         from dpkit import resources
         from dpkit.config_files import accelerate_deepspeed_config, find_config
         from dpkit.engines.deepspeed.config import read_ds_config, zero_stage_of
-        from dpkit.strategy import runnable_strategy
-        from dpkit.train.launcher import Launch, uses_accelerate_without_backend
 
         launcher_path: str | None = None
         launcher_source = ""
@@ -89,7 +111,7 @@ class DeepSpeedEngine(Engine):
                     raise UsageError(
                         f"accelerate launch --zero_stage {stage}: dpkit supports ZeRO stages 1 and 2"
                     )
-                named = runnable_strategy(self, zero_stage=stage).name
+                named = self.runnable(zero_stage=stage).name
                 launcher_path = str(resources.deepspeed_config(named))
         flag = args.deepspeed
         if flag is not None:
@@ -113,16 +135,8 @@ class DeepSpeedEngine(Engine):
         if launcher_path is None:
             return None
         template = read_ds_config(launcher_path)
-        launched = runnable_strategy(self, zero_stage=zero_stage_of(template, launcher_path))
+        launched = self.runnable(zero_stage=zero_stage_of(template, launcher_path))
         if args.strategy not in ("auto", launched.name):
-            from dpkit.strategy import get_strategy
-
-            if get_strategy(args.strategy).engine is not self and flag is not None:
-                raise UsageError(
-                    f"--strategy={args.strategy} conflicts with --deepspeed={flag!r}: "
-                    f"{get_strategy(args.strategy).engine.label} takes no DeepSpeed config; "
-                    "drop one of them"
-                )
             raise UsageError(
                 f"--strategy={args.strategy} conflicts with {launcher_source} "
                 f"({launched.name}): drop one of them"
@@ -135,11 +149,10 @@ class DeepSpeedEngine(Engine):
             notes=notes,
         )
 
-    def from_flag(self, strategy: Any, args: Any, env: Mapping[str, str]) -> Any:
+    def from_flag(self, strategy: Strategy, args: Any, env: Mapping[str, str]) -> Launch:
         """dpkit's own JSON for the stage; an accelerate launch without DeepSpeed cannot run it."""
         from dpkit import resources
         from dpkit.engines.deepspeed.config import read_ds_config
-        from dpkit.train.launcher import Launch, uses_accelerate_without_backend
 
         if uses_accelerate_without_backend(env):
             raise UsageError(
@@ -185,6 +198,35 @@ class DeepSpeedEngine(Engine):
             offload_optimizer=offload,
         )
 
+    def before_process_group(self, *, on_cuda: bool) -> None:
+        from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
+
+        if not on_cuda:
+            # DeepSpeed's shared-memory all-reduce op, which training never uses, leaks a
+            # 66 MB /dev/shm segment per rank once built.
+            skip_deepspeed_cpu_shm_op()
+
+    def trainer_config(
+        self, sizes: Any, config: Any, *, world_size: int, on_cuda: bool
+    ) -> dict[str, Any]:
+        from dpkit.engines.deepspeed.trainer import trainer_config
+
+        return trainer_config(sizes, config, world_size=world_size, on_cuda=on_cuda)
+
+    def aligned_bucket(self, elements: float) -> int:
+        clamped = int(min(elements, DEEPSPEED_DEFAULT_BUCKET))
+        return -(-clamped // ZERO_BUCKET_ALIGNMENT) * ZERO_BUCKET_ALIGNMENT
+
+    def bucket_refusal(self, elements: int) -> str:
+        if elements % ZERO_BUCKET_ALIGNMENT:
+            return f"{elements} is not a multiple of {ZERO_BUCKET_ALIGNMENT} (DeepSpeed asserts it)"
+        return ""
+
+    def quiet_logs(self, is_main_process: bool) -> None:
+        from dpkit.engines.deepspeed.logs import quiet_deepspeed_logger
+
+        quiet_deepspeed_logger(is_main_process)
+
     def accelerator_options(self, strategy: Any, resolution: Any) -> dict[str, Any]:
         from accelerate import DeepSpeedPlugin
 
@@ -223,13 +265,12 @@ class DeepSpeedEngine(Engine):
 
     def recognise(self, model: Any, optimizer: Any) -> Any:
         from dpkit.engines.deepspeed.memory import zero_optimizer
-        from dpkit.strategy import runnable_strategy
 
         zero = zero_optimizer(optimizer)
         if zero is None:
             return None
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
-        return runnable_strategy(self, zero_stage=stage)
+        return self.runnable(zero_stage=stage)
 
     # memory, measured
     def walk(self, ledger: Any, model: Any, optimizer: Any) -> dict[str, Any]:
@@ -341,6 +382,13 @@ class DeepSpeedEngine(Engine):
             f"{settings['overlap_comm']} (dpkit.engines.deepspeed.settings over DeepSpeed's "
             "defaults)"
         )
+
+    def model_facts(self, model: Any, params: Sequence[Any]) -> dict[str, Any]:
+        from dpkit.engines.deepspeed.settings import PERSISTENCE_THRESHOLD
+
+        # ZeRO-3 keeps tensors under its persistence threshold whole on every rank.
+        small = sum(p.numel() for p in params if p.numel() < PERSISTENCE_THRESHOLD)
+        return {"small_tensor_params": small}
 
     def why(self, strategy: Any, row: Any, inputs: Any) -> str:
         return plan.why(strategy, row, inputs)

@@ -38,6 +38,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from dpkit.core.units import GradientHighWater
+
 # DeepSpeed's nccl_start_alignment_factor: each flat group is padded to a multiple
 # of this times N elements.
 ALIGNMENT_FACTOR = 2
@@ -157,25 +159,6 @@ def largest_bucket_fill(
             bucket = 0
         bucket += numel
     return max(largest, bucket) if bucket <= reduce_bucket_size else largest
-
-
-@dataclass(frozen=True)
-class GradientHighWater:
-    """One rank's gradient bytes at the moments DeepSpeed holds the most."""
-
-    rank: int
-    backward: float
-    """Largest holding during backward (activations are still alive then)."""
-    step: float
-    """Largest holding during the optimizer step (activations are freed)."""
-    moment: str
-    """Where the larger of the two happens."""
-    partition_bytes: float
-    """The paper's share: this rank's partitions in the module dtype."""
-
-    @property
-    def bytes(self) -> float:
-        return max(self.backward, self.step)
 
 
 def stage2_contiguous_backward(

@@ -17,9 +17,8 @@ from typing import Any
 
 import torch
 
-from dpkit.engines.deepspeed.settings import ZERO_MEMORY_KEYS
-from dpkit.memory.categories import PARTITION_SHARE
-from dpkit.memory.walk import (
+from dpkit.core.categories import PARTITION_SHARE
+from dpkit.core.walk import (
     Ledger,
     claim_module_buffers,
     claim_optimizer_state,
@@ -27,6 +26,7 @@ from dpkit.memory.walk import (
     unwrap_module,
     unwrap_optimizer,
 )
+from dpkit.engines.deepspeed.settings import ZERO_MEMORY_KEYS
 
 # Attributes of DeepSpeed's ZeRO stage 1/2 optimizer (deepspeed 0.15-0.19).
 _ZERO_MARKERS = ("single_partition_of_fp32_groups", "bit16_groups_flat")

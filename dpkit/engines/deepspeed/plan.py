@@ -16,21 +16,15 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from dpkit.engines.deepspeed.layout import (
-    GradientHighWater,
-    gradient_high_water,
-    group_order,
-    largest_bucket_fill,
-)
-from dpkit.memory.analytic import OPTIMIZER_STATE_BYTES, ModelStateBytes, dtype_bytes
+from dpkit.core.units import OPTIMIZER_STATE_BYTES, GradientHighWater, ModelStateBytes, dtype_bytes
+from dpkit.engines.deepspeed.layout import gradient_high_water, group_order, largest_bucket_fill
 
 
 def buffer_settings(spec: Any, world_size: int, on_cuda: bool) -> dict[str, Any]:
     """The ZeRO settings a dpkit run uses (:mod:`dpkit.engines.deepspeed.settings`), over
     DeepSpeed's own defaults (``deepspeed/runtime/zero/config.py``); a bare ``--params``
     has no hidden size: DeepSpeed's defaults stand."""
-    from dpkit.engines.deepspeed.settings import zero_memory_settings
-    from dpkit.plan.inputs import PERSISTENCE_THRESHOLD
+    from dpkit.engines.deepspeed.settings import PERSISTENCE_THRESHOLD, zero_memory_settings
 
     settings: dict[str, Any] = {
         "reduce_bucket_size": 500_000_000,
@@ -220,7 +214,7 @@ def optimizer_for_plan(offload: bool, optimizer: str) -> str | None:
 
 def why(strategy: Any, row: Any, inputs: Any) -> str:
     """What choosing a ZeRO strategy buys and costs."""
-    from dpkit.plan.recommend import format_gib
+    from dpkit.core.units import format_gib
 
     n = inputs.world_size
     if strategy.offload:

@@ -12,6 +12,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# DeepSpeed's default ``stage3_param_persistence_threshold``
+# (deepspeed/runtime/zero/config.py): ZeRO-3 keeps tensors smaller than this
+# whole on every rank (:attr:`dpkit.core.spec.ModelSpec.small_tensor_params`).
+PERSISTENCE_THRESHOLD = 100_000
+
 # DeepSpeed's own default for both bucket sizes (elements).
 DEEPSPEED_DEFAULT_BUCKET = 500_000_000
 # The smallest ZeRO bucket (elements; 8 MiB in fp32, 4 MiB in 16-bit). Every reduce

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
+from dpkit.core.walk import inner_torch_optimizer
 from dpkit.engines.fsdp2.shard import reshard
-from dpkit.memory.walk import inner_torch_optimizer
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 

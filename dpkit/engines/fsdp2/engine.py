@@ -14,6 +14,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from dpkit.core.launch import Launch
+from dpkit.core.strategy import Strategy
 from dpkit.engines import common
 from dpkit.engines.base import Engine, EngineSettings, Prepared
 from dpkit.engines.fsdp2 import plan
@@ -90,25 +92,40 @@ def _fsdp_launch(env: Mapping[str, str]) -> bool | None:
     return by_value[reshard]
 
 
+FSDP2_SHARD_GRAD_OP = Strategy(
+    "fsdp2_shard_grad_op",
+    "FSDP2 shard-grad-op",
+    "fsdp2",
+    2,
+    summary="torch FSDP2: gradients and optimizer state sharded, parameters whole in the step",
+)
+FSDP2_FULL_SHARD = Strategy(
+    "fsdp2_full_shard",
+    "FSDP2 full-shard",
+    "fsdp2",
+    3,
+    reshard_after_forward=True,
+    summary="torch FSDP2: parameters, gradients and optimizer state sharded",
+)
+
+
 class FSDP2Engine(Engine):
     """Parameters, gradients and optimizer state sharded on dim 0; layers all-gathered for
     their compute (kept whole until the backward in shard-grad-op mode)."""
 
     name = "fsdp2"
     label = "torch FSDP2"
+    strategies = (FSDP2_SHARD_GRAD_OP, FSDP2_FULL_SHARD)
     needs_process_group = True
 
-    def launched(self, args: Any, env: Mapping[str, str]) -> Any:
+    def launched(self, args: Any, env: Mapping[str, str]) -> Launch | None:
         """An accelerate FSDP launch (``fsdp_version: 2``): its mode, and the layer classes
         its YAML names. dpkit applies ``fully_shard`` itself (accelerate's own path runs
         unconnected copies on CPU)."""
-        from dpkit.strategy import runnable_strategy
-        from dpkit.train.launcher import Launch
-
         reshard = _fsdp_launch(env)
         if reshard is None:
             return None
-        strategy = runnable_strategy(self, reshard_after_forward=reshard)
+        strategy = self.runnable(reshard_after_forward=reshard)
         source = f"accelerate launch (FSDP2, {strategy.name})"
         if args.deepspeed is not None:
             raise UsageError(
@@ -212,8 +229,8 @@ class FSDP2Engine(Engine):
         :meth:`before_optimizer`)."""
         from torch.distributed.fsdp import FSDPModule
 
+        from dpkit.core.walk import inner_torch_optimizer
         from dpkit.engines.fsdp2.shard import is_sharded, unit_count
-        from dpkit.memory.walk import inner_torch_optimizer
 
         if not isinstance(model, FSDPModule):
             raise RuntimeError(
@@ -278,8 +295,8 @@ class FSDP2Engine(Engine):
     ) -> dict[str, float]:
         return plan.buffer_bytes(strategy.reshard_after_forward, spec, world_size, precision)
 
-    def plan_row_note(self, row: Any) -> str:
-        return plan.row_note(row)
+    def plan_row_note(self, strategy: Strategy, row: Any) -> str:
+        return plan.row_note(strategy, row)
 
     def unprobed_buffer_parts(self, strategy: Any) -> tuple[str, ...]:
         # A unit's whole gradients and its reduce-scatter input exist inside its backward
@@ -287,6 +304,12 @@ class FSDP2Engine(Engine):
         # forward, full-shard's are gathered again inside backward.
         backward = ("fsdp2_root_whole_grads", "fsdp2_reduce_scatter")
         return (*backward, "fsdp2_whole_params") if strategy.reshard_after_forward else backward
+
+    def model_facts(self, model: Any, params: Sequence[Any]) -> dict[str, Any]:
+        from dpkit.engines.fsdp2.shard import units_of
+
+        unit_of = units_of(model)
+        return {"param_units": tuple(unit_of.get(id(p), -1) for p in params)}
 
     def why(self, strategy: Any, row: Any, inputs: Any) -> str:
         return plan.why(strategy, row, inputs)

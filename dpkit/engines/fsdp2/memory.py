@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from dpkit.memory.walk import (
+from dpkit.core.walk import (
     Ledger,
     claim_module_buffers,
     claim_optimizer_state,

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from dpkit.core.units import OPTIMIZER_STATE_BYTES, ModelStateBytes, dtype_bytes
 from dpkit.engines.fsdp2 import layout
-from dpkit.memory.analytic import OPTIMIZER_STATE_BYTES, ModelStateBytes, dtype_bytes
 
 
 def model_state_bytes(
@@ -91,10 +91,9 @@ def why(strategy: Any, row: Any, inputs: Any) -> str:
     )
 
 
-def row_note(row: Any) -> str:
+def row_note(strategy: Any, row: Any) -> str:
     """What an FSDP2 row's buffers hold whole, for the notes under the plan's table."""
-    from dpkit.plan.recommend import format_gib
-    from dpkit.strategy import get_strategy
+    from dpkit.core.units import format_gib
 
     parts = row.buffer_parts
     if "fsdp2_reduce_scatter" not in parts:
@@ -105,7 +104,7 @@ def row_note(row: Any) -> str:
         )
     held = (
         "the root's and two layers'"
-        if get_strategy(row.strategy).reshard_after_forward
+        if strategy.reshard_after_forward
         else "every layer's and the root's, each from its forward to its backward"
     )
     grads = parts["fsdp2_root_whole_grads"] + parts["fsdp2_reduce_scatter"]

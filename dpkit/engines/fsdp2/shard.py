@@ -111,3 +111,25 @@ def unit_count(model: Any) -> int:
     from torch.distributed.fsdp import FSDPModule
 
     return sum(isinstance(m, FSDPModule) for m in model.modules())
+
+
+def units_of(model: Any) -> dict[int, int]:
+    """``id(parameter)`` -> the index of the layer dpkit's FSDP2 makes a unit of it in, for
+    the parameters inside one (the innermost where they nest); the rest belong to the
+    root. The layer classes are the ones a run picks by default
+    (:func:`layer_classes`); a model without any has only the root. A
+    module ``fully_shard`` already wrapped keeps its class among its bases, so a live
+    model reads the same."""
+    try:
+        classes = set(layer_classes(model, asked_by="dpkit plan"))
+    except UsageError:  # no recognisable layers: a run would need --fsdp-layer-classes
+        classes = set()
+    unit_of: dict[int, int] = {}
+    index = 0
+    for module in model.modules():  # parents first: an inner layer overrides its parent
+        if module is model or not any(c.__name__ in classes for c in type(module).__mro__):
+            continue
+        for param in module.parameters():
+            unit_of[id(param)] = index
+        index += 1
+    return unit_of

@@ -363,7 +363,7 @@ def replicated_state(
     """This rank's part of every parameter (fp32) and of its Adam moments, for engines
     whose tensors are whole on every rank (DDP) or DTensors (FSDP2); the parameters whose
     id is in ``skip`` are the caller's (ZeRO's partitioned ones). Buffers are rank 0's."""
-    from dpkit.memory.walk import inner_torch_optimizer
+    from dpkit.core.walk import inner_torch_optimizer
 
     torch_opt = inner_torch_optimizer(optimizer)
     state: dict[str, FlatShard] = {}
@@ -395,7 +395,7 @@ def replicated_targets(
 ) -> LoadTargets:
     """What a DDP or FSDP2 rank loads: every parameter (its own rows under FSDP2), its
     Adam moments (the optimizer's state made first, if no step has run), the buffers."""
-    from dpkit.memory.walk import inner_torch_optimizer
+    from dpkit.core.walk import inner_torch_optimizer
 
     torch_opt = inner_torch_optimizer(optimizer)
     targets = LoadTargets()
@@ -417,7 +417,7 @@ def replicated_targets(
 
 def optimizer_step(optimizer: Any) -> int:
     """The optimizer's step count (0 before the first step)."""
-    from dpkit.memory.walk import inner_torch_optimizer
+    from dpkit.core.walk import inner_torch_optimizer
 
     torch_opt = inner_torch_optimizer(optimizer)
     steps = [

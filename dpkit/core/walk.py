@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dpkit.memory.categories import CATEGORIES
+from dpkit.core.categories import CATEGORIES
 
 
 def local_shard(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""A strategy: one way of distributing training state over data-parallel ranks, as a value.
+
+A :class:`Strategy` names its backend by key (``ddp``, ``deepspeed``, ``fsdp2``) and says
+how that backend is set: what is sharded (the ZeRO stage), whether optimizer state lives
+in host memory, whether parameters are resharded after the forward. Each engine declares
+its own rows (``dpkit/engines/<backend>/engine.py``); the registry (:mod:`dpkit.engines`)
+puts them in one table and answers which engine runs a strategy. Code elsewhere asks that
+engine and never compares names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way of distributing training state over data-parallel ranks."""
+
+    name: str
+    """The flag value and file stem: ``ddp``, ``zero1``, ``zero2``, ``fsdp2_shard_grad_op``,
+    ``fsdp2_full_shard`` (and, for ``dpkit plan`` only, ``zero2_offload``, ``zero3``)."""
+    label: str
+    """How tables and logs show it: ``DDP``, ``ZeRO-1``..."""
+    backend: str
+    """The key of the engine that runs it (:attr:`dpkit.engines.base.Engine.name`)."""
+    zero_stage: int
+    """What is sharded over the ranks, in ZeRO's terms: 0 nothing, 1 optimizer state and
+    master weights, 2 also gradients, 3 also parameters."""
+    offload: bool = False
+    """Optimizer state and master weights live in host memory (DeepSpeed offload)."""
+    reshard_after_forward: bool = False
+    """Parameters are sharded again after each layer's forward (FSDP2 full-shard,
+    ZeRO-3's semantics); otherwise they stay whole until the backward."""
+    runnable: bool = True
+    """dpkit's recipes run it; ``False``: ``dpkit plan`` shows it for reference."""
+    summary: str = ""
+    """What it holds per rank, in a few words."""
+
+    def __str__(self) -> str:
+        return self.name
