@@ -2,16 +2,18 @@
 
 Each subcommand lives in its own module that provides ``add_arguments(parser)``
 and ``main(args) -> int``; modules are imported only when their command runs,
-so ``dpkit plan`` starts without importing DeepSpeed.
+so ``dpkit plan`` starts without importing DeepSpeed. Every parser here is a
+:class:`dpkit.arguments.OneLineParser` (``add_subparsers`` gives subcommands their
+parent's class): bad input is one line, ``dpkit plan: error: ...``, and exit code 2,
+as a recipe's is.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
-from typing import NoReturn
 
+from dpkit.arguments import OneLineParser, refusal_line
 from dpkit.errors import EXIT_USAGE, UsageError
 
 # command name -> (module, one-line help)
@@ -44,15 +46,7 @@ COMMANDS = {
 }
 
 
-class OneLineParser(argparse.ArgumentParser):
-    """argparse prints its usage before an error; bad input here is one line, exit 2.
-    Subcommands' parsers are of the same class (``add_subparsers`` takes the parent's)."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> OneLineParser:
     """The parser; only ``command``'s module is imported (so a missing optional
     dependency of one command does not break the others)."""
     parser = OneLineParser(prog="dpkit", description=__doc__.splitlines()[0])
@@ -68,12 +62,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if a in COMMANDS), None)
-    args = build_parser(command).parse_args(argv)
+    args = build_parser(command).parse_args(argv)  # bad flags: one line, SystemExit(2)
     module = importlib.import_module(args._module)
     try:
         return int(module.main(args) or 0)
     except UsageError as err:
-        print(f"dpkit {args.command}: error: {err}", file=sys.stderr)
+        print(refusal_line(f"dpkit {args.command}", err), file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -25,11 +25,14 @@ BARE = {
 STRATEGY_NAMES = "ddp|zero1|zero2|zero2_offload|zero3|fsdp2_shard_grad_op|fsdp2_full_shard"
 BACKEND_BRANCHES = {
     "a backend flag": re.compile(r"\buses_(deepspeed|fsdp2)\b"),
-    "an engine compared by name": re.compile(r"\bengine(\.name)?\s*(==|!=)"),
+    "an engine compared by name": re.compile(r"\bengine(_of\([^)]*\))?(\.name)?\s*(==|!=)"),
     "a strategy or engine name compared": re.compile(
         rf"(==|!=)\s*['\"]({STRATEGY_NAMES}|deepspeed|fsdp2)['\"]"
         rf"|['\"]({STRATEGY_NAMES}|deepspeed|fsdp2)['\"]\s*(==|!=)"
     ),
+    # What is sharded is the Strategy's to say (shards_optimizer, shards_gradients,
+    # shards_parameters); a stage number compared outside the engines is a backend branch.
+    "a ZeRO stage compared": re.compile(r"\b(zero_stage|sharding)\s*(==|!=|>=|<=|>|<)\s*\d"),
     "a strategy name looked up in a tuple": re.compile(
         rf"\bin\s*[\(\[{{]\s*['\"]({STRATEGY_NAMES})['\"]"
     ),
@@ -40,12 +43,17 @@ BACKEND_BRANCHES = {
 }
 
 
+# The strategy value says what is sharded from its stage (shards_gradients...): the one
+# place outside the engines that reads the stage number.
+STRATEGY_VALUE = REPO / "dpkit" / "core" / "strategy.py"
+
+
 def _python_outside_engines() -> list[Path]:
     return [
         path
         for folder in (REPO / "dpkit", REPO / "recipes")
         for path in sorted(folder.rglob("*.py"))
-        if ENGINES not in path.parents and path not in BARE
+        if ENGINES not in path.parents and path not in BARE and path != STRATEGY_VALUE
     ]
 
 
@@ -84,7 +92,8 @@ def test_the_grep_finds_what_it_looks_for(tmp_path):
     on anything)."""
     examples = {
         "a backend flag": "if strategy.uses_deepspeed:",
-        "an engine compared by name": 'if strategy.engine.name == "ddp":',
+        "an engine compared by name": 'if engine_of(strategy).name == "ddp":',
+        "a ZeRO stage compared": "if strategy.zero_stage == 2:",
         "a strategy or engine name compared": 'if name == "zero2":',
         "a strategy name looked up in a tuple": 'if strategy.name in ("zero1", "zero2"):',
         "a backend's objects recognised by type": "if isinstance(model, FSDPModule):",
@@ -98,19 +107,41 @@ def test_the_grep_finds_what_it_looks_for(tmp_path):
 
 
 def test_every_engine_answers_every_question():
-    """Each engine overrides what its backend must answer (the base class raises)."""
+    """Each engine, and each role object it hands out (``engine.memory``, ``.plan``,
+    ``.checkpoints``), overrides what its backend must answer (the role's base raises)."""
     from dpkit.engines import ENGINES as engines
-    from dpkit.engines.base import Engine
+    from dpkit.engines.roles.checkpoint_io import CheckpointIO
+    from dpkit.engines.roles.knobs import BenchKnobs
+    from dpkit.engines.roles.measured import MeasuredMemory
+    from dpkit.engines.roles.planned import PlanArithmetic
+    from dpkit.engines.roles.settings import Settings
+    from dpkit.engines.roles.wrapping import Wrapping
 
-    must = [
-        name
-        for name, member in vars(Engine).items()
-        if callable(member) and "raise NotImplementedError" in _source(member)
-    ]
-    assert {"after_prepare", "walk", "model_state_bytes", "full_weights"} <= set(must)
+    roles = {
+        None: (Settings, Wrapping, BenchKnobs),
+        "memory": (MeasuredMemory,),
+        "plan": (PlanArithmetic,),
+        "checkpoints": (CheckpointIO,),
+    }
+    must = {
+        role: [
+            (base, name)
+            for base in bases
+            for name, member in vars(base).items()
+            if callable(member) and "raise NotImplementedError" in _source(member)
+        ]
+        for role, bases in roles.items()
+    }
+    named = {name for found in must.values() for _, name in found}
+    assert {"after_prepare", "walk", "model_state_bytes", "full_weights", "why"} <= named
     for engine in engines:
-        missing = [name for name in must if getattr(type(engine), name) is getattr(Engine, name)]
-        assert not missing, f"{engine.name} does not answer {missing}"
+        for role, found in must.items():
+            answers = engine if role is None else getattr(engine, role)
+            assert not isinstance(answers, type), f"{engine.name}.{role} is not an object"
+            missing = [
+                name for base, name in found if getattr(type(answers), name) is vars(base)[name]
+            ]
+            assert not missing, f"{engine.name} ({role or 'engine'}) does not answer {missing}"
 
 
 def _source(function) -> str:

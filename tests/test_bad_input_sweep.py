@@ -27,7 +27,11 @@ from tests.harness import assert_refused
 CLI_CASES = [
     ("no-command", [], "dpkit: error: the following arguments are required: command"),
     ("misspelled-command", ["plann"], "argument command: invalid choice: 'plann'"),
-    ("plan-unknown-flag", ["plan", "--nproc", "2"], "unrecognized arguments: --nproc 2"),
+    (
+        "plan-unknown-flag",
+        ["plan", "--nproc", "2"],
+        "dpkit plan: error: --nproc=2: not a flag of this command",
+    ),
     (
         "plan-zero-nodes",
         ["plan", "--params", "1B", "--nodes", "0"],

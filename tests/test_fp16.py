@@ -354,10 +354,13 @@ def test_of_finds_deepspeeds_dynamic_scaler_and_ignores_its_static_one():
 
     dynamic = _deepspeed_scaler(init_scale=2.0**16, min_scale=1)
     # The DeepSpeed engine finds the run's scaler (TrainingLog and checkpoints ask it).
-    found = engine_of(ZERO2).loss_scaler(accelerator_with(dynamic))
+    found = engine_of(ZERO2).checkpoints.loss_scaler(accelerator_with(dynamic))
     assert found is not None and found.kind == "deepspeed" and found.scale == 2.0**16
     # bf16 and fp32 ZeRO keep a static scaler of 1.0: nothing to log or save.
-    assert engine_of(ZERO2).loss_scaler(accelerator_with(StaticLossScaler(scale=1))) is None
+    assert (
+        engine_of(ZERO2).checkpoints.loss_scaler(accelerator_with(StaticLossScaler(scale=1)))
+        is None
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -405,7 +408,7 @@ _ZERO2_WITH_FP16_SCALER = textwrap.dedent(
     model = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_positions=8, n_embd=8, n_layer=1, n_head=2))
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
     engine = acc.deepspeed_engine_wrapped.engine
-    report = {"static_found": engine_of(ZERO2).loss_scaler(acc) is not None}
+    report = {"static_found": engine_of(ZERO2).checkpoints.loss_scaler(acc) is not None}
     engine.optimizer.loss_scaler = DynamicLossScaler(
         init_scale=1024, scale_window=1000, min_scale=1, delayed_shift=1,
         consecutive_hysteresis=False, dtype=torch.half)

@@ -77,7 +77,7 @@ def test_an_accelerate_fsdp2_yaml_picks_the_mode(reshard, expected):
     assert choice.config_path is None and choice.world_size == 2
     assert engine_of(expected).name == "fsdp2"
     # No fp32 master copy beside the module's own fp32 shards, even under bf16.
-    states = engine_of(expected).model_state_bytes(expected, 1000.0, 2, "bf16", "adamw", None)
+    states = engine_of(expected).plan.model_state_bytes(expected, 1000.0, 2, "bf16", "adamw", None)
     assert states.master == 0
     assert expected.reshard_after_forward == (expected is FSDP2_FULL_SHARD)
 

@@ -460,7 +460,7 @@ def test_why_zero3_points_to_a_config_of_ones_own():
     inputs = _count_inputs(gpu_memory=100 * GB)
     row = make_plan(inputs).row("zero3")
     zero3 = get_strategy("zero3")
-    assert engine_of(zero3).why(zero3, row, inputs) == (
+    assert engine_of(zero3).plan.why(zero3, row, inputs) == (
         "Only ZeRO-3 fits: it shards the parameters too, all-gathering them in forward and "
         "backward (1.5x DDP's communication). dpkit runs DeepSpeed up to ZeRO-2, and FSDP2 "
         "full-shard does not fit; ZeRO-3 needs a DeepSpeed config of your own."

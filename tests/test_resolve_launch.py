@@ -405,7 +405,10 @@ def test_precision_asks_torch_for_cuda_when_not_told():
     ],
 )
 def test_accelerate_settings_that_agree_or_are_unset_pass(env):
+    from dpkit.engines.deepspeed.engine import refuse_accelerate_offload
+
     check_accelerate_settings(env, gradient_accumulation_steps=4, max_grad_norm=0.5)
+    refuse_accelerate_offload(env)  # the DeepSpeed engine's share of the same settings
 
 
 @pytest.mark.parametrize(
@@ -434,8 +437,13 @@ def test_accelerate_settings_that_agree_or_are_unset_pass(env):
     ],
 )
 def test_accelerate_settings_that_disagree_are_refused_in_full(env, message):
-    call = check_accelerate_settings
-    assert refusal(call, env, gradient_accumulation_steps=4, max_grad_norm=0.5) == message
+    from dpkit.engines.deepspeed.engine import refuse_accelerate_offload
+
+    if "OFFLOAD" in next(iter(env)):  # offload is the DeepSpeed engine's to refuse
+        assert refusal(refuse_accelerate_offload, env) == message
+    else:
+        call = check_accelerate_settings
+        assert refusal(call, env, gradient_accumulation_steps=4, max_grad_norm=0.5) == message
 
 
 # ---- NCCL: processes per visible GPU ------------------------------------------------------
@@ -532,3 +540,22 @@ def test_the_shipped_yaml_from_another_directory_runs_its_json(tmp_path, monkeyp
     resolution = resolve(model=sizes, micro_batch_size=2, env=env)
     said = [note for note in resolution.notes if "ds_configs/zero1.json" in note]
     assert len(said) == 1, resolution.notes
+
+
+def test_offload_in_accelerates_settings_is_refused_when_the_run_resolves(tmp_path, monkeypatch):
+    """The DeepSpeed engine refuses it while building its settings, before any group:
+    accelerate would drop it beside the DeepSpeed JSON without a word."""
+    from dpkit.models import ModelSizes
+    from dpkit.train.resolution import resolve
+
+    monkeypatch.chdir(tmp_path)
+    env = {
+        **ACCELERATE_DS_ENV,
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu",
+    }
+    sizes = ModelSizes(num_params=1000, hidden_size=8, largest_param_numel=64)
+    assert refusal(resolve, model=sizes, micro_batch_size=2, env=env) == (
+        "accelerate config offload_optimizer_device=cpu: dpkit does not set up offload from "
+        "accelerate's settings; put offload_optimizer in the DeepSpeed JSON"
+    )

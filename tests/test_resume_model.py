@@ -191,7 +191,9 @@ def test_a_resume_restores_the_checkpoints_weights_into_a_model_loaded_elsewhere
     torch.manual_seed(0)
     fresh = GPT2LMHeadModel(config)
     engine = engine_of("ddp")
-    engine.load_weights(None, fresh, load_file(str(tmp_path / "ck" / "model.safetensors")))
+    engine.checkpoints.load_weights(
+        None, fresh, load_file(str(tmp_path / "ck" / "model.safetensors"))
+    )
     for (name, got), (_, want) in zip(
         fresh.named_parameters(), trained.named_parameters(), strict=True
     ):

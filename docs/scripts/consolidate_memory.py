@@ -33,7 +33,7 @@ def one_run(checkpoint: Path, output_dir: Path, max_shard_mb: float) -> dict:
     import safetensors.torch  # noqa: F401  (imported before the baseline is read)
     import torch  # noqa: F401
 
-    from dpkit.checkpoints import sharded
+    from dpkit.core import shards as sharded
     from dpkit.checkpoints.consolidate import consolidate
 
     index = sharded.TensorIndex.read(checkpoint)

@@ -11,6 +11,7 @@ from typing import Any
 from dpkit.bench.launch import FLOOR_RUN, trainer_run_name
 from dpkit.bench.results import REFERENCE, max_relative_deviation, result_strategies
 from dpkit.core.categories import MODEL_STATES
+from dpkit.core.tables import markdown_table
 from dpkit.engines import engine_of, get_strategy
 from dpkit.train.phases import PHASES
 
@@ -114,34 +115,49 @@ def _strategy_table(results: dict[str, Any]) -> list[str]:
         "DeepSpeed's step casts); plan = `dpkit plan` for this run, with gradients as "
         "DeepSpeed's layout holds them (dpkit.engines.deepspeed.layout).",
         "",
-        "| strategy | params | grads | optimizer | master | states | buffers | total | paper "
-        f"| plan | peak ({first['memory']['peak_kind']}) | saved vs DDP, measured "
-        f"| saved vs DDP, paper | tokens/s | vs DDP | dpkit/{baseline} step | loss dev. vs DDP |",
-        "|---|" + "---:|" * 16,
     ]
+    header = [
+        "strategy",
+        *MODEL_STATES,
+        "states",
+        "buffers",
+        "total",
+        "paper",
+        "plan",
+        f"peak ({first['memory']['peak_kind']})",
+        "saved vs DDP, measured",
+        "saved vs DDP, paper",
+        "tokens/s",
+        "vs DDP",
+        f"dpkit/{baseline} step",
+        "loss dev. vs DDP",
+    ]
+    rows = []
     for strategy in result_strategies(results):
         run, row = runs[strategy.name], comparison[strategy.name]
         per_rank = run["memory"]["per_rank"]
-        cells = [
-            strategy.label,
-            *(mib(per_rank[c]) for c in MODEL_STATES),
-            mib(sum(per_rank[c] for c in MODEL_STATES)),
-            mib(per_rank["buffers"]),
-            mib(per_rank["total"]),
-            mib(row["predicted_model_states"]),
-            mib(row["plan_model_states"]),
-            mib(run["memory"]["peak_bytes"]),
-            _saved(row.get("saved_vs_ddp_measured"), row.get("ratio_vs_ddp_measured")),
-            _saved(row["saved_vs_ddp_predicted"], row["ratio_vs_ddp_predicted"]),
-            f"{run['tokens_per_s']:,.0f}",
-            _with_cpu(row.get("throughput_vs_ddp"), row.get("throughput_vs_ddp_cpu")),
-            _with_cpu(
-                row.get(f"dpkit_over_{label}_step_time"), row.get(f"dpkit_over_{label}_step_cpu")
-            ),
-            _deviation(row.get("loss_max_rel_dev_vs_ddp"), strategy == REFERENCE),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(
+            [
+                strategy.label,
+                *(mib(per_rank[c]) for c in MODEL_STATES),
+                mib(sum(per_rank[c] for c in MODEL_STATES)),
+                mib(per_rank["buffers"]),
+                mib(per_rank["total"]),
+                mib(row["predicted_model_states"]),
+                mib(row["plan_model_states"]),
+                mib(run["memory"]["peak_bytes"]),
+                _saved(row.get("saved_vs_ddp_measured"), row.get("ratio_vs_ddp_measured")),
+                _saved(row["saved_vs_ddp_predicted"], row["ratio_vs_ddp_predicted"]),
+                f"{run['tokens_per_s']:,.0f}",
+                _with_cpu(row.get("throughput_vs_ddp"), row.get("throughput_vs_ddp_cpu")),
+                _with_cpu(
+                    row.get(f"dpkit_over_{label}_step_time"),
+                    row.get(f"dpkit_over_{label}_step_cpu"),
+                ),
+                _deviation(row.get("loss_max_rel_dev_vs_ddp"), strategy == REFERENCE),
+            ]
+        )
+    return lines + markdown_table(header, rows, align=["", *["right"] * (len(header) - 1)])
 
 
 def _gradient_lines(results: dict[str, Any]) -> list[str]:
@@ -152,7 +168,7 @@ def _gradient_lines(results: dict[str, Any]) -> list[str]:
     for strategy in result_strategies(results):
         memory, plan = runs[strategy.name]["memory"], runs[strategy.name]["plan"]
         # A layout the plan worked out per rank (DeepSpeed's partitions), gradients sharded.
-        if strategy.zero_stage != 2 or not plan.get("grads_where") or reference is None:
+        if not strategy.shards_gradients or not plan.get("grads_where") or reference is None:
             continue
         share = max((r["grads_partition"] or 0.0) for r in memory["ranks"])
         lines += [
@@ -179,24 +195,32 @@ def _checkpointing_lines(results: dict[str, Any]) -> list[str]:
         "planned and measured; step time against the plain run (median of the repeats' "
         "ratios; CPU time beside it); the largest relative loss difference.",
         "",
-        "| strategy | activations (MiB) | checkpointed (MiB) | plan error | step time | loss dev. |",
-        "|---|---:|---:|---:|---:|---:|",
     ]
+    header = [
+        "strategy",
+        "activations (MiB)",
+        "checkpointed (MiB)",
+        "plan error",
+        "step time",
+        "loss dev.",
+    ]
+    table_rows = []
     for strategy in result_strategies(results):
         row = rows.get(strategy.name)
         if row is None:
             continue
         error = row["plan_activations_error_pct"]
-        cells = [
-            strategy.label,
-            mib(row["activations_bytes"]),
-            mib(row["checkpointed_activations_bytes"]),
-            "-" if error is None else f"{error:+.1f}%",
-            _with_cpu(row["step_time_ratio"], row["step_cpu_ratio"]),
-            f"{row['loss_max_rel_dev']:.1e}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        table_rows.append(
+            [
+                strategy.label,
+                mib(row["activations_bytes"]),
+                mib(row["checkpointed_activations_bytes"]),
+                "-" if error is None else f"{error:+.1f}%",
+                _with_cpu(row["step_time_ratio"], row["step_cpu_ratio"]),
+                f"{row['loss_max_rel_dev']:.1e}",
+            ]
+        )
+    return lines + markdown_table(header, table_rows, align=["", *["right"] * 5])
 
 
 def _run_table(results: dict[str, Any]) -> list[str]:
@@ -212,10 +236,22 @@ def _run_table(results: dict[str, Any]) -> list[str]:
         "a step that parallelism costs; loss deviation is the largest relative difference "
         "from dpkit DDP.",
         "",
-        "| run | launcher | median step (s) | min-max (s) | CPU per step (s) | tokens/s per rank "
-        "| tokens/s | samples/s per rank | samples/s | floor/step | loss dev. vs DDP | wall (s) |",
-        "|---|---|" + "---:|" * 10,
     ]
+    header = [
+        "run",
+        "launcher",
+        "median step (s)",
+        "min-max (s)",
+        "CPU per step (s)",
+        "tokens/s per rank",
+        "tokens/s",
+        "samples/s per rank",
+        "samples/s",
+        "floor/step",
+        "loss dev. vs DDP",
+        "wall (s)",
+    ]
+    rows = []
     reference = runs.get(REFERENCE.name)
     floor = runs.get(FLOOR_RUN)
     for name, run in runs.items():
@@ -230,22 +266,23 @@ def _run_table(results: dict[str, Any]) -> list[str]:
             if floor is None or name == FLOOR_RUN
             else f"{floor['median_step_time_s'] / run['median_step_time_s']:.2f}"
         )
-        cells = [
-            name,
-            run["launcher"],
-            f"{run['median_step_time_s']:.3f}",
-            f"{run['min_step_time_s']:.2f}-{run['max_step_time_s']:.2f}",
-            "-" if run["median_step_cpu_s"] is None else f"{run['median_step_cpu_s']:.3f}",
-            f"{run['tokens_per_s_per_rank']:,.0f}",
-            f"{run['tokens_per_s']:,.0f}",
-            f"{run['samples_per_s_per_rank']:.2f}",
-            f"{run['samples_per_s']:.2f}",
-            efficiency,
-            _deviation(dev, name in (REFERENCE.name, FLOOR_RUN)),
-            f"{run['wall_s']:.0f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(
+            [
+                name,
+                run["launcher"],
+                f"{run['median_step_time_s']:.3f}",
+                f"{run['min_step_time_s']:.2f}-{run['max_step_time_s']:.2f}",
+                "-" if run["median_step_cpu_s"] is None else f"{run['median_step_cpu_s']:.3f}",
+                f"{run['tokens_per_s_per_rank']:,.0f}",
+                f"{run['tokens_per_s']:,.0f}",
+                f"{run['samples_per_s_per_rank']:.2f}",
+                f"{run['samples_per_s']:.2f}",
+                efficiency,
+                _deviation(dev, name in (REFERENCE.name, FLOOR_RUN)),
+                f"{run['wall_s']:.0f}",
+            ]
+        )
+    return lines + markdown_table(header, rows, align=["", "", *["right"] * 10])
 
 
 PHASE_LABELS = {
@@ -276,11 +313,14 @@ def _phase_table(results: dict[str, Any]) -> list[str]:
         "one rank alone with no communication. DDP exposed allreduce: DDP's own timing of "
         "the allreduce time not overlapped with backward compute (its first 10 iterations).",
         "",
-        "| run | "
-        + " | ".join(PHASE_LABELS[phase] for phase in PHASES)
-        + " | backward + sync - floor's | DDP exposed allreduce |",
-        "|---|" + "---:|" * (len(PHASES) + 2),
     ]
+    header = [
+        "run",
+        *(PHASE_LABELS[phase] for phase in PHASES),
+        "backward + sync - floor's",
+        "DDP exposed allreduce",
+    ]
+    rows = []
     for name, row in profile.items():
         medians = row["phases_s"]
         excess = row["backward_and_sync_over_floor_s"]
@@ -288,8 +328,8 @@ def _phase_table(results: dict[str, Any]) -> list[str]:
         cells = [name, *(f"{medians[phase]:.3f}" for phase in PHASES)]
         cells += ["-" if excess is None else f"{excess:+.3f}"]
         cells += ["-" if exposed is None else f"{exposed:.3f}"]
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
+        rows.append(cells)
+    return lines + markdown_table(header, rows, align=["", *["right"] * (len(header) - 1)])
 
 
 def _collectives_lines(results: dict[str, Any]) -> list[str]:
@@ -307,15 +347,21 @@ def _collectives_lines(results: dict[str, Any]) -> list[str]:
         f"{comm['repeats']} rounds, the slowest rank's; ZeRO bucket "
         f"{comm['zero_bucket_elements']:,} elements):",
         "",
-        "| collective | used by | calls | MiB | median (ms) |",
-        "|---|---|---:|---:|---:|",
+        *markdown_table(
+            ["collective", "used by", "calls", "MiB", "median (ms)"],
+            (
+                [
+                    what,
+                    who,
+                    str(patterns[key]["calls"]),
+                    mib(patterns[key]["bytes"]),
+                    f"{patterns[key]['median_s'] * 1e3:.1f}",
+                ]
+                for key, what, who in COLLECTIVE_ROWS
+            ),
+            align=["", "", "right", "right", "right"],
+        ),
     ]
-    for key, what, who in COLLECTIVE_ROWS:
-        row = patterns[key]
-        lines.append(
-            f"| {what} | {who} | {row['calls']} | {mib(row['bytes'])} | "
-            f"{row['median_s'] * 1e3:.1f} |"
-        )
     runs = results["runs"]
     reference = runs.get(REFERENCE.name)
     # Strategies whose collectives the phase timed, beside the reference's.

@@ -512,10 +512,9 @@ def checks(
 
     for name, row in comparison.items():
         strategy = get_strategy(name)
-        # Optimizer state is sharded from stage 1, gradients from stage 2.
-        if strategy.zero_stage >= 1 and "optimizer_ratio_vs_ddp" in row:
+        if strategy.shards_optimizer and "optimizer_ratio_vs_ddp" in row:
             found.append(sharded("optimizer bytes", name, row["optimizer_ratio_vs_ddp"]))
-        if strategy.zero_stage >= 2 and row.get("grads_partition_ratio_vs_ddp") is not None:
+        if strategy.shards_gradients and row.get("grads_partition_ratio_vs_ddp") is not None:
             found.append(
                 sharded(
                     "gradient partition",
@@ -525,7 +524,7 @@ def checks(
                 )
             )
         # In mixed precision the step's fp32 cast doubles that; the plan check covers it.
-        if strategy.zero_stage >= 2 and "grads_ratio_vs_ddp" in row and grad_dtype_ratio == 1:
+        if strategy.shards_gradients and "grads_ratio_vs_ddp" in row and grad_dtype_ratio == 1:
             # The high-water also holds whole parameters that touch the partition and the
             # step's flat copy (dpkit.engines.deepspeed.layout); dpkit plan predicts it (next check).
             value = row["grads_ratio_vs_ddp"]

@@ -37,6 +37,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from dpkit.arguments import OneLineParser
 from dpkit.engines import engine_of
 
 TRAINER_RUN_PREFIX = "trainer_"
@@ -51,8 +52,9 @@ def _train_defaults() -> dict[str, Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    """The baseline's flags: the bench's workload, nothing the Trainer would not take."""
-    parser = argparse.ArgumentParser(prog="dpkit.bench.trainer_baseline")
+    """The baseline's flags: the bench's workload, nothing the Trainer would not take.
+    Refused as every dpkit command refuses (:class:`dpkit.arguments.OneLineParser`)."""
+    parser = OneLineParser(prog="dpkit.bench.trainer_baseline")
     parser.add_argument("--strategy", required=True, choices=("ddp", "zero1", "zero2"))
     parser.add_argument("--micro-batch-size", type=int, required=True)
     parser.add_argument("--max-steps", type=int, required=True)

@@ -143,7 +143,7 @@ def save_checkpoint(
     optimizer_state = None
     if checkpoint_format == "sharded":
         accelerator.wait_for_everyone()  # the folder is new before any rank writes into it
-        shards = engine.own_shards(accelerator, module, optimizer)
+        shards = engine.checkpoints.own_shards(accelerator, module, optimizer)
         if async_group is not None:
             pending.upload = async_save_shards(
                 shards,
@@ -162,7 +162,9 @@ def save_checkpoint(
         save_model(engine, accelerator, model, tmp, tokenizer, for_resume=True)
         optimizer_state = full_optimizer_state(engine, accelerator, model, optimizer)
     rng_states = accelerate.utils.gather_object([rng_state()])
-    loss_scaler = engine.loss_scaler(accelerator)  # the same on every rank: the main one's is saved
+    loss_scaler = engine.checkpoints.loss_scaler(
+        accelerator
+    )  # the same on every rank: the main one's is saved
     if accelerator.is_main_process:
         if optimizer_state is not None:
             torch.save(optimizer_state, tmp / "optimizer.pt")
@@ -249,13 +251,13 @@ def load_checkpoint(
         _load_sharded(engine, accelerator, model, optimizer, path)
     else:
         weights = load_file(str(path / "model.safetensors"))
-        engine.load_weights(accelerator, accelerator.unwrap_model(model), weights)
-        engine.load_fp32_masters(accelerator, accelerator.unwrap_model(model), weights)
+        engine.checkpoints.load_weights(accelerator, accelerator.unwrap_model(model), weights)
+        engine.checkpoints.load_fp32_masters(accelerator, accelerator.unwrap_model(model), weights)
         saved_optimizer = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
         load_optimizer_state(engine, accelerator, model, optimizer, saved_optimizer)
     if lr_scheduler is not None and (path / "scheduler.pt").is_file():
         lr_scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    _load_loss_scale(engine.loss_scaler(accelerator), path)
+    _load_loss_scale(engine.checkpoints.loss_scaler(accelerator), path)
     rng_states = torch.load(path / "rng.pt", weights_only=True)
     if len(rng_states) == accelerator.num_processes:
         set_rng_state(rng_states[accelerator.process_index])
@@ -270,7 +272,7 @@ def _load_sharded(engine, accelerator, model, optimizer, path: Path) -> None:
 
     index = TensorIndex.read(path)
     restore_lrs(optimizer, index.param_group_lrs)
-    engine.load_own_shards(
+    engine.checkpoints.load_own_shards(
         accelerator,
         accelerator.unwrap_model(model),
         optimizer,

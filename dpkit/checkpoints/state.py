@@ -30,7 +30,7 @@ def full_fp32_state_dict(
     """The model's state_dict with every parameter at full size in fp32, on CPU, on the
     main process (None elsewhere); a collective under the sharding engines."""
     module = accelerator.unwrap_model(model)
-    state = engine.full_weights(accelerator, module)
+    state = engine.checkpoints.full_weights(accelerator, module)
     if not accelerator.is_main_process:
         return None
     # Floating tensors are stored in fp32.
@@ -111,7 +111,7 @@ def full_optimizer_state(engine: Any, accelerator: Any, model: Any, optimizer: A
 
     module = accelerator.unwrap_model(model)
     torch_opt = inner_torch_optimizer(optimizer)
-    moments = engine.full_moments(accelerator, module, optimizer)
+    moments = engine.checkpoints.full_moments(accelerator, module, optimizer)
     if not accelerator.is_main_process:
         return None
     return optimizer_file_state(
@@ -150,7 +150,9 @@ def load_optimizer_state(
     missing = sorted(trainable - set(moments))
     if missing:
         raise RuntimeError(f"checkpoint has no optimizer state for {missing[:3]}")
-    engine.load_moments(accelerator, module, optimizer, moments, torch.tensor(float(saved["step"])))
+    engine.checkpoints.load_moments(
+        accelerator, module, optimizer, moments, torch.tensor(float(saved["step"]))
+    )
 
 
 def rng_state() -> dict:

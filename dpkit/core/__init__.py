@@ -4,6 +4,7 @@ Nothing here imports from a floor above it (engines, the registry, the subsystem
 byte units and model-state figures (:mod:`.units`), the :class:`~.strategy.Strategy`
 value, what a launcher asked for (:mod:`.launch`), what the plan knows of a model and a
 request (:mod:`.spec`), the storage-counting ledger engines fill (:mod:`.walk`,
-:mod:`.categories`), the sharded checkpoint's vocabulary (:mod:`.shards`) and fp16's
-loss scalers (:mod:`.loss_scale`). ``tests/test_layers.py`` enforces the floors.
+:mod:`.categories`), the sharded checkpoint's vocabulary (:mod:`.shards`), fp16's
+loss scalers (:mod:`.loss_scale`) and the one markdown table formatter (:mod:`.tables`).
+``tests/test_layers.py`` enforces the floors.
 """

@@ -37,5 +37,20 @@ class Strategy:
     summary: str = ""
     """What it holds per rank, in a few words."""
 
+    @property
+    def shards_optimizer(self) -> bool:
+        """Optimizer state (and master weights) are split over the ranks (ZeRO-1 and up)."""
+        return self.zero_stage >= 1
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Gradients are split over the ranks too (ZeRO-2, both FSDP2 modes and up)."""
+        return self.zero_stage >= 2
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Parameters are split between steps too (ZeRO-3, FSDP2 full-shard)."""
+        return self.zero_stage >= 3
+
     def __str__(self) -> str:
         return self.name

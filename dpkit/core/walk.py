@@ -169,7 +169,7 @@ def walk(
     caught in flight that no object holds yet, claimed last.
     """
     ledger = Ledger()
-    info = engine.walk(ledger, model, optimizer)
+    info = engine.memory.walk(ledger, model, optimizer)
     for tensor, category, holder in extra:
         ledger.claim(tensor, category, holder)
     snap = ledger.snapshot()

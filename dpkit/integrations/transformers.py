@@ -234,7 +234,7 @@ def optimizer_name(optimizer: Any) -> str | None:
 def precision_running(args: Any, optimizer: Any, strategy: Strategy) -> str:
     """``no``, ``bf16`` or ``fp16``: as the backend keeps the parameters where it casts
     them (DeepSpeed's 16-bit partitions), otherwise from the Trainer's arguments (autocast)."""
-    found = engine_of(strategy).precision_in_effect(optimizer)
+    found = engine_of(strategy).memory.precision_in_effect(optimizer)
     if found is not None:
         return found
     return (
@@ -245,7 +245,7 @@ def precision_running(args: Any, optimizer: Any, strategy: Strategy) -> str:
 def optimizer_groups(optimizer: Any, strategy: Strategy) -> list[list[torch.nn.Parameter]]:
     """The parameters of each optimizer group as the backend holds them (the layout ZeRO
     flattens and partitions: DeepSpeed's ``bit16_groups``), or the torch groups."""
-    return engine_of(strategy).optimizer_groups(optimizer)
+    return engine_of(strategy).memory.optimizer_groups(optimizer)
 
 
 def _calling_trainer(callback: TrainerCallback) -> Any | None:
@@ -389,7 +389,7 @@ class MemoryReportCallback(TrainerCallback):
                     f"trains with {type(unwrap_optimizer(optimizer)).__name__}"
                 )
         name = optimizer_name(optimizer)
-        offload = engine_of(strategy).offload_in_effect(optimizer)
+        offload = engine_of(strategy).memory.offload_in_effect(optimizer)
         self.tracker = MemoryTracker(
             PartialState(),
             wrapped,

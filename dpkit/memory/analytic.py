@@ -72,14 +72,14 @@ def model_state_bytes(
         raise ValueError(
             f"optimizer must be one of {', '.join(OPTIMIZER_STATE_BYTES)}, got {optimizer!r}"
         )
-    states = engine_of(strategy).model_state_bytes(
+    states = engine_of(strategy).plan.model_state_bytes(
         strategy, float(num_params), world_size, precision, optimizer, param_shapes
     )
     if frozen_params < 0:
         raise ValueError(f"frozen_params must be >= 0, got {frozen_params}")
     if frozen_params == 0:
         return states
-    frozen = engine_of(strategy).model_state_bytes(
+    frozen = engine_of(strategy).plan.model_state_bytes(
         strategy, float(frozen_params), world_size, precision, optimizer, frozen_param_shapes
     )
     return dataclasses.replace(states, params=states.params + frozen.params)
@@ -95,7 +95,7 @@ def paper_grad_bytes(
     from dpkit.engines import get_strategy
 
     strategy = get_strategy(strategy)
-    return engine_of(strategy).paper_grad_bytes(
+    return engine_of(strategy).plan.paper_grad_bytes(
         strategy, float(num_params), world_size, canonical_precision(precision)
     )
 

@@ -191,8 +191,9 @@ class StepProbes:
         self.high_water: dict[str, dict[str, Any]] = {}
         self.phases: dict[str, dict[str, float]] = {}
         self.largest_moment: dict[str, Any] = {}
-        # Largest flat copy of an ordinary reduction bucket (sized by an engine, not walked).
-        self.bucket_flat_copy_bytes = 0.0
+        # Buffers an engine sizes rather than walks, by name, at their largest (DeepSpeed's
+        # flat copy of an ordinary reduction bucket): counted as if they coexisted.
+        self.sized_buffers: dict[str, float] = {}
         self.probe_seconds = 0.0
         # Methods the engine's probes rely on that this version of the backend lacks:
         # gradients held only there are not seen, and the report says so.
@@ -219,7 +220,7 @@ class StepProbes:
             )
             post = torch_opt.register_step_post_hook(self._after_inner_step)
             self._removers += [pre.remove, post.remove]
-        engine.install_probes(self, model, optimizer)
+        engine.memory.install_probes(self, model, optimizer)
         self.timeline: StepTimeline | None = None
         if record_timeline:
             self.timeline = StepTimeline(self, model, repeated_blocks(unwrap_module(model)))
@@ -287,7 +288,7 @@ class StepProbes:
         self.high_water.clear()
         self.phases.clear()
         self.largest_moment = {}
-        self.bucket_flat_copy_bytes = 0.0
+        self.sized_buffers.clear()
         if self.activations is not None:
             self.activations.high_water = 0.0
             self.activations.high_water_batch = None

@@ -136,11 +136,11 @@ def measure_rank(
             )
         row[category] = float(value)
     buffer_names = dict(holders.pop("buffers"))
-    flat_copy = getattr(probes, "bucket_flat_copy_bytes", 0.0) if probes is not None else 0.0
-    if flat_copy:
+    sized = getattr(probes, "sized_buffers", {}) if probes is not None else {}
+    for name, nbytes in sized.items():
         # Sized, not walked (see StepProbes): counted as if it coexisted with the rest.
-        buffer_names["zero_reduce_flat_copy (largest bucket copy, transient)"] = flat_copy
-        row["buffers"] += flat_copy
+        buffer_names[name] = nbytes
+        row["buffers"] += nbytes
     row["buffers_total"] = row.pop("buffers")
     row["buffers"] = buffer_names
     row["model_state_total"] = sum(row[c] for c in MODEL_STATES)
@@ -176,7 +176,7 @@ def measure_rank(
     peak.update(peak_breakdown(peak, baseline, worst))
     row["peak"] = peak
     row["device"] = str(device) if device is not None else "cpu"
-    row["settings"] = engine.settings_in_effect(model, optimizer)
+    row["settings"] = engine.memory.settings_in_effect(model, optimizer)
     # A probe point this DeepSpeed lacks: gradients held only there were not seen.
     row["unprobed"] = list(probes.missing) if probes is not None else []
     row["grads_measured"] = probes is not None and not probes.missing
@@ -321,7 +321,9 @@ class MemoryTracker:
                 "high-water (it also holds the interpreter and libraries, and untouched "
                 "allocations are not resident)"
             )
-        notes += engine_of(self.strategy).report_notes(self.strategy, self.model, self.optimizer)
+        notes += engine_of(self.strategy).memory.report_notes(
+            self.strategy, self.model, self.optimizer
+        )
         frozen = count_frozen_params(self.model)
         return MemoryReport(
             strategy=self.strategy.name,
@@ -337,13 +339,15 @@ class MemoryTracker:
             offload_optimizer=self.offload_optimizer,
             gradient_checkpointing=is_gradient_checkpointing(unwrap_module(self.model)),
             param_shapes=(
-                param_shapes(self.model) if engine_of(self.strategy).report_param_shapes() else None
+                param_shapes(self.model)
+                if engine_of(self.strategy).memory.report_param_shapes()
+                else None
             ),
             model=self.model_record,
             frozen_params=frozen,
             frozen_param_shapes=(
                 param_shapes(self.model, trainable=False)
-                if frozen and engine_of(self.strategy).report_param_shapes()
+                if frozen and engine_of(self.strategy).memory.report_param_shapes()
                 else None
             ),
             lora=lora_settings(unwrap_module(self.model)),
@@ -388,7 +392,7 @@ def model_record(
     name = name or getattr(config, "_name_or_path", "") or type(model).__name__
     from dpkit.engines import REFERENCE
 
-    groups = engine_of(strategy or REFERENCE).optimizer_groups(optimizer)
+    groups = engine_of(strategy or REFERENCE).memory.optimizer_groups(optimizer)
     spec = spec_from_model(name, "trainer", model, param_groups=groups)
     record = spec_record(spec)
     record["class"] = type(model).__name__

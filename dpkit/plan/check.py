@@ -24,7 +24,7 @@ from typing import Any
 from dpkit.core.categories import MODEL_STATES
 from dpkit.core.spec import ModelSpec, PlanInputs
 from dpkit.core.units import canonical_precision
-from dpkit.engines import engine_of, get_strategy, offloaded
+from dpkit.engines import ENGINES, engine_of, get_strategy, offloaded
 from dpkit.errors import UsageError
 from dpkit.plan.activations import activation_profile, saved_bytes
 from dpkit.plan.estimate import StrategyEstimate, buffer_settings, estimate
@@ -99,11 +99,8 @@ def _read_json(path: Path, what: str) -> dict[str, Any]:
 def _run_settings(report: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
     """The plan's buffer settings, with the DDP and DeepSpeed values the run really used."""
     settings = dict(defaults)
-    for key, value in report.get("settings", {}).items():
-        if key.startswith("zero."):
-            settings[key.removeprefix("zero.")] = value
-        elif key == "ddp.gradient_as_bucket_view":
-            settings["gradient_as_bucket_view"] = value
+    for engine in ENGINES:  # each backend reads back the keys its live objects recorded
+        settings.update(engine.plan.settings_from_run(report.get("settings", {})))
     return settings
 
 
@@ -284,7 +281,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     else:
         not_predicted["activations"] = "the run did not count them (count_activations off)"
     not_checked: dict[str, str] = {}
-    unprobed = engine_of(strategy).unprobed_buffer_parts(strategy)
+    unprobed = engine_of(strategy).plan.unprobed_buffer_parts(strategy)
     if unprobed:
         # FSDP2: the whole parameters and gradients of the unit being computed live between
         # the report's probe points (end of forward, optimizer step); the timeline shows

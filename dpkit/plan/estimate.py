@@ -36,7 +36,7 @@ def buffer_settings(spec: ModelSpec, world_size: int = 1, on_cuda: bool = True) 
     plan targets GPUs, hence ``on_cuda``."""
     settings: dict[str, Any] = {}
     for engine in ENGINES:
-        settings.update(engine.plan_settings(spec, world_size, on_cuda))
+        settings.update(engine.plan.plan_settings(spec, world_size, on_cuda))
     return settings
 
 
@@ -52,7 +52,7 @@ def buffer_bytes(
     strategy's engine's (:meth:`~dpkit.engines.base.Engine.buffer_bytes`: DDP's reducer
     buckets, ZeRO's reduce buckets, FSDP2's whole parameters)."""
     strategy = get_strategy(strategy)
-    return engine_of(strategy).buffer_bytes(
+    return engine_of(strategy).plan.buffer_bytes(
         strategy, spec, world_size, canonical_precision(precision), settings, ddp_grad_bytes
     )
 
@@ -119,7 +119,7 @@ class StrategyEstimate:
         that live between probe points (the loss's logits peak, the layer recomputed under
         checkpointing, FSDP2's whole gradients and reduce-scatter input in backward)."""
         strategy = get_strategy(self.strategy)
-        unprobed = engine_of(strategy).unprobed_buffer_parts(strategy)
+        unprobed = engine_of(strategy).plan.unprobed_buffer_parts(strategy)
         buffers = sum(v for k, v in self.buffer_parts.items() if k not in unprobed)
         return self.model_states + buffers + saved_bytes(self.activation_parts)
 
@@ -151,7 +151,7 @@ def step_bytes(
     which updates in place: no temporaries of its own (a ``foreach`` AdamW would add one
     fp32 copy of the parameters it updates); SGD updates in place."""
     strategy = get_strategy(strategy)
-    return engine_of(strategy).step_bytes(
+    return engine_of(strategy).plan.step_bytes(
         strategy, float(num_params), world_size, canonical_precision(precision), grads_laid_out
     )
 
@@ -163,7 +163,7 @@ def gradient_layout(
     engine lays gradients out otherwise than the paper counts them (DeepSpeed ZeRO-1/2:
     :mod:`dpkit.engines.deepspeed.layout`); None where the paper's figure stands."""
     strategy = get_strategy(strategy)
-    return engine_of(strategy).gradient_layout(strategy, inputs, settings)
+    return engine_of(strategy).plan.gradient_layout(strategy, inputs, settings)
 
 
 def estimate(
@@ -176,7 +176,7 @@ def estimate(
     """Bytes per GPU for ``strategy`` (a Strategy or its name) at ``micro_batch``."""
     strategy = get_strategy(strategy)
     engine = engine_of(strategy)
-    optimizer = engine.optimizer_for_plan(strategy, inputs.optimizer)
+    optimizer = engine.plan.optimizer_for_plan(strategy, inputs.optimizer)
     if optimizer is None:
         return StrategyEstimate(strategy.name, applicable=False)
     num_params = inputs.model.num_params
@@ -192,7 +192,7 @@ def estimate(
     )
     activation_parts: dict[str, float] = {}
     precision = canonical_precision(inputs.precision)
-    autocast = engine.activations_under_autocast(strategy, precision)
+    autocast = engine.plan.activations_under_autocast(strategy, precision)
     if activations is not None and autocast and activations.under_autocast is not None:
         # DDP's mixed precision: the trace made under autocast, weight copies included.
         activation_parts = activations.under_autocast.parts(micro_batch)
@@ -204,21 +204,21 @@ def estimate(
         # LoRA's frozen ones too; FSDP2's matmuls save its whole 16-bit parameters,
         # counted among its buffers).
         all_params = float(num_params + inputs.model.frozen_params)
-        activation_parts.update(engine.activation_extras(strategy, all_params, precision))
+        activation_parts.update(engine.plan.activation_extras(strategy, all_params, precision))
     buffers = buffer_bytes(
         strategy, inputs.model, inputs.world_size, inputs.precision, settings, states.grads
     )
     if inputs.model.module_buffer_bytes:  # every strategy keeps the module's own whole
         buffers["module_buffers"] = float(inputs.model.module_buffer_bytes)
-    laid_out = engine.gradient_layout(strategy, inputs, settings)
-    step = engine.step_bytes(
+    laid_out = engine.plan.gradient_layout(strategy, inputs, settings)
+    step = engine.plan.step_bytes(
         strategy,
         float(num_params),
         inputs.world_size,
         canonical_precision(inputs.precision),
         laid_out is not None,
     )
-    host_grads = engine.host_bytes(strategy, float(num_params), inputs.world_size)
+    host_grads = engine.plan.host_bytes(strategy, float(num_params), inputs.world_size)
     return StrategyEstimate(
         strategy=strategy.name,
         applicable=True,

@@ -211,7 +211,7 @@ def spec_from_model(
     # persistent small tensors, FSDP2's units).
     backend_facts: dict[str, Any] = {}
     for engine in ENGINES:
-        backend_facts.update(engine.model_facts(model, params))
+        backend_facts.update(engine.plan.model_facts(model, params))
     import transformers
 
     # The class itself, not the task asked for: activations follow the head it really has.

@@ -136,12 +136,12 @@ def format_table(plan: Plan) -> str:
             for r in offloaded
         ),
         "buffers: "
-        + "; ".join(text for e in engines if (text := e.plan_settings_text(plan.settings))),
+        + "; ".join(text for e in engines if (text := e.plan.plan_settings_text(plan.settings))),
         *(
             note
             for r in plan.rows
             if r.applicable
-            and (note := engine_of(r.strategy).plan_row_note(get_strategy(r.strategy), r))
+            and (note := engine_of(r.strategy).plan.plan_row_note(get_strategy(r.strategy), r))
         ),
         "not counted:",
         *(f"  - {item}" for item in NOT_COUNTED),

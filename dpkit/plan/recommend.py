@@ -82,7 +82,7 @@ def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: Plan
         too_big = [f"{r.label} needs {format_gib(r.total)}" for r in skipped if r.applicable]
         usable = format_gib(inputs.usable)
         prefix = f"{'; '.join(too_big)}, over the {usable} usable per GPU. " if too_big else ""
-    return prefix + engine_of(strategy).why(strategy, chosen, inputs)
+    return prefix + engine_of(strategy).plan.why(strategy, chosen, inputs)
 
 
 def _nothing_fits(inputs: PlanInputs, rows: list[StrategyEstimate]) -> UsageError:

@@ -32,12 +32,6 @@ PRECISIONS = ("no", "bf16", "fp16")
 # Where launchers say how many processes they started on this node: torchrun and
 # accelerate launch, the deepspeed launcher, Open MPI's mpirun.
 LOCAL_PROCESS_COUNT_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE")
-# DeepSpeed settings an accelerate YAML or flag can give (the launcher passes them as
-# environment variables), which dpkit takes from the run's own flags instead.
-_OFFLOAD_SETTINGS = {
-    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "offload_optimizer_device",
-    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "offload_param_device",
-}
 
 
 def check_launcher(env: Mapping[str, str]) -> None:
@@ -122,13 +116,6 @@ def check_accelerate_settings(
             f"accelerate config gradient_clipping={given} disagrees with the run's "
             f"{max_grad_norm:g} (--max-grad-norm): make them equal"
         )
-    for variable, name in _OFFLOAD_SETTINGS.items():
-        device = env.get(variable, "none").lower()
-        if device not in ("", "none"):
-            raise UsageError(
-                f"accelerate config {name}={device}: dpkit does not set up offload from "
-                "accelerate's settings; put offload_optimizer in the DeepSpeed JSON"
-            )
 
 
 def local_process_count(env: Mapping[str, str]) -> tuple[int, str]:

@@ -7,11 +7,9 @@ half-started job.
 
 from __future__ import annotations
 
-import difflib
 import sys
-from dataclasses import fields
-from typing import NoReturn
 
+from dpkit.arguments import dataclass_parser
 from dpkit.errors import EXIT_USAGE, UsageError
 from dpkit.train.config import StrategyConfig
 from dpkit.train.guards import print_usage_error
@@ -21,31 +19,22 @@ from dpkit.train.resolution import check_launch
 
 def parse_args(*config_classes: type, argv: list[str] | None = None) -> tuple:
     """Parse a command line into ``config_classes`` (dataclasses, validated when built) with
-    transformers' ``HfArgumentParser``.
+    transformers' ``HfArgumentParser`` made dpkit's one parser
+    (:func:`dpkit.arguments.dataclass_parser`).
 
     A run starts here: dpkit's log lines and library warnings are set to appear once per
     job (:func:`dpkit.train.logs.log_once_per_job`). Bad input (argparse's own errors, a
-    misspelled flag, a value a dataclass refuses)
-    prints one line naming the flag and its value, once for the job
+    misspelled flag, named with the closest one as every dpkit command does, a value a
+    dataclass refuses) prints one line naming the flag and its value, once for the job
     (:func:`dpkit.train.guards.print_usage_error`: rank 0's; every rank parses the same
     line), and exits with code 2, before anything starts. ``--local_rank=N``,
     which the ``deepspeed`` launcher appends, is dropped (``LOCAL_RANK`` carries it).
     """
-    from transformers import HfArgumentParser
-
-    class OneLineParser(HfArgumentParser):
-        """argparse prints its whole usage before an error; ours is one line."""
-
-        def error(self, message: str) -> NoReturn:
-            raise UsageError(message)
-
     log_once_per_job()  # a run starts here: dpkit's lines and library warnings once per job
-    parser = OneLineParser(config_classes)
+    parser = dataclass_parser(config_classes)
     argv = _without_local_rank(sys.argv[1:] if argv is None else argv)
     try:
-        _, remaining = parser.parse_known_args(args=argv)
-        if remaining:
-            raise _unknown_argument(remaining, config_classes)
+        parser.parse_args_or_raise(argv)  # argparse's errors and unknown flags, one line each
         configs = tuple(parser.parse_args_into_dataclasses(args=argv))
         for cfg in configs:
             if isinstance(cfg, StrategyConfig):
@@ -69,17 +58,3 @@ def _without_local_rank(argv: list[str]) -> list[str]:
         elif not arg.replace("-", "_").startswith("__local_rank="):
             kept.append(arg)
     return kept
-
-
-def _unknown_argument(remaining: list[str], config_classes: tuple[type, ...]) -> UsageError:
-    """What HfArgumentParser would raise as a bare ValueError, with the closest flag."""
-    flag, _, value = remaining[0].partition("=")
-    if not flag.startswith("-"):
-        return UsageError(f"{flag!r}: unexpected argument (flags take the form --name value)")
-    if not value and len(remaining) > 1 and not remaining[1].startswith("-"):
-        value = remaining[1]
-    flags = [f"--{f.name.replace('_', '-')}" for cls in config_classes for f in fields(cls)]
-    close = difflib.get_close_matches(flag.replace("_", "-"), flags, n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    shown = f"{flag}={value}" if value else flag
-    return UsageError(f"{shown}: not a flag of this recipe{hint}")

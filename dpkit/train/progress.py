@@ -100,7 +100,7 @@ class TrainingLog:
         self.position = run.position
         self.last_step = self.position.step
         # Found once (TrainingLog is made after prepare, when the scaler exists).
-        self._scaler = self.engine.loss_scaler(self.accelerator)
+        self._scaler = self.engine.checkpoints.loss_scaler(self.accelerator)
         self._loss_scale = None if self._scaler is None else self._scaler.scale
         self.throughput = Throughput(world_size=self.accelerator.num_processes)
         # Per-step figures a record leaves out (a recipe may time its own steps): wall and

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.bench import launch
+from dpkit.core.tables import markdown_table
 from dpkit.engines import RUNNABLE, engine_of, get_strategy
 from dpkit.tune import space
 from dpkit.tune.config import TuneSettings
@@ -23,8 +24,12 @@ from dpkit.tune.trials import OK, Trial, recipe_command, trial_dir
 MIB = 2**20
 OUTPUTS = ("results.json", "results.md", "chart.png")
 WINNER_DIR = "winner"
-# One colour per strategy on the chart (matplotlib's default cycle, DDP's blue first).
-CHART_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3")
+# One colour per strategy on the chart (seaborn's "deep" palette, DDP's blue first); more
+# strategies than colours reuse them in turn rather than fail.
+CHART_COLORS = (
+    "#4c72b0", "#dd8452", "#55a868", "#c44e52", "#8172b3",
+    "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd",
+)  # fmt: skip
 
 
 def clear_outputs(out: Path) -> None:
@@ -100,10 +105,8 @@ def format_markdown(results: dict[str, Any]) -> str:
         f"{results['warmup_steps']} warm-up; losses against DDP at the same micro-batch, "
         f"tolerance {results['loss_rtol']:g}.",
         "",
-        "| candidate | status | step s (min-max) | samples/s | tokens/s | peak MiB/rank "
-        "| plan MiB | model states MiB | loss dev. vs DDP | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for trial in results["trials"]:
         figures, verdict = trial["figures"], trial["verdict"]
         name = trial["name"] + (" **winner**" if trial["name"] == results["winner"] else "")
@@ -113,20 +116,42 @@ def format_markdown(results: dict[str, Any]) -> str:
                 f"{figures['median_step_time_s']:.3f} ({figures['min_step_time_s']:.3f}-"
                 f"{figures['max_step_time_s']:.3f})"
             )
-            rates = f"{figures['samples_per_s']:.1f} | {figures['tokens_per_s']:.0f}"
+            samples, tokens = f"{figures['samples_per_s']:.1f}", f"{figures['tokens_per_s']:.0f}"
             memory = f"{_mib(figures['memory_bytes'])}"
             states = _mib(figures["model_states_per_rank"])
         else:
-            step, rates, memory, states = "-", "- | -", "-", "-"
+            step, samples, tokens, memory, states = "-", "-", "-", "-", "-"
         deviation = verdict.get("loss_deviation")
         loss = "-" if deviation is None else f"{deviation:.1e}"
         note = verdict.get("why_not") or trial["reason"]
         note += " (reused)" if trial["reused"] else ""
-        lines.append(
-            f"| {name} | {trial['status']} | {step} | {rates} | {memory} "
-            f"| {_mib(trial['predicted_bytes'])} | {states} | {loss} | {note} |"
+        rows.append(
+            [
+                name,
+                trial["status"],
+                step,
+                samples,
+                tokens,
+                memory,
+                _mib(trial["predicted_bytes"]),
+                states,
+                loss,
+                note,
+            ]
         )
-    lines.append("")
+    header = [
+        "candidate",
+        "status",
+        "step s (min-max)",
+        "samples/s",
+        "tokens/s",
+        "peak MiB/rank",
+        "plan MiB",
+        "model states MiB",
+        "loss dev. vs DDP",
+        "note",
+    ]
+    lines += [*markdown_table(header, rows), ""]
     if results["winner"] is None:
         lines.append(f"No winner: {results['winner_reason']}.")
     else:
@@ -155,7 +180,7 @@ def write_chart(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colors = {s.name: color for s, color in zip(RUNNABLE, CHART_COLORS, strict=True)}
+    colors = {s.name: CHART_COLORS[i % len(CHART_COLORS)] for i, s in enumerate(RUNNABLE)}
     shown = {trial["strategy"] for trial in results["trials"] if trial["status"] == OK}
     fig, ax = plt.subplots(figsize=(8, 5))
     for trial in results["trials"]:

@@ -29,14 +29,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from dpkit.engines import Engine, engine_of, get_strategy
+from dpkit.engines import engine_of, get_strategy
 from dpkit.plan.estimate import StrategyEstimate
 from dpkit.plan.recommend import recommendation_order
 from dpkit.tune.config import TuneSettings
 
 MIB = 2**20
-# Smaller buckets only add per-call costs (dpkit.engines.deepspeed.settings measured them).
-MIN_BUCKET = 2**18
 
 
 @dataclass(frozen=True)
@@ -180,10 +178,6 @@ def checkpointed_twins(
     return twins
 
 
-def _aligned(engine: Engine, elements: float) -> int:
-    return engine.aligned_bucket(max(elements, MIN_BUCKET))
-
-
 def second_round(
     best: Candidate, resolved_zero: dict[str, Any], settings: TuneSettings
 ) -> list[Candidate]:
@@ -193,19 +187,12 @@ def second_round(
     engine = engine_of(best.strategy)
     if not engine.tunable:
         raise ValueError(f"{best.name}: only DeepSpeed's ZeRO candidates have a second round")
-    bucket = int(resolved_zero.get("reduce_bucket_size", engine.default_bucket))
-    sizes = settings.config.zero_bucket_sizes or (
-        _aligned(engine, bucket / 4),
-        _aligned(engine, bucket * 4),
+    variants = engine.tuning_variants(
+        get_strategy(best.strategy),
+        resolved_zero,
+        bucket_sizes=settings.config.zero_bucket_sizes,
+        on_cuda=settings.device == "cuda",
     )
-    variants: list[tuple[tuple[str, Any], ...]] = [
-        (("reduce_bucket_size", int(size)),) for size in sizes if int(size) != bucket
-    ]
-    contiguous = bool(resolved_zero.get("contiguous_gradients", True))
-    variants.append((("contiguous_gradients", not contiguous),))
-    if settings.device == "cuda" and best.sharding == 2:
-        overlap = bool(resolved_zero.get("overlap_comm", False))
-        variants.append((("overlap_comm", not overlap),))
     return [replace(best, zero=zero, round=2) for zero in variants]
 
 

@@ -3,16 +3,20 @@ directly (every rank holds all of it), restored the same way."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dpkit.core.walk import inner_torch_optimizer
+from dpkit.engines.roles.checkpoint_io import CheckpointIO
+
+if TYPE_CHECKING:
+    from accelerate import Accelerator
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def full_weights(accelerator: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(accelerator: Accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's state on the main process (a copy: the live parameters keep training)."""
     if not accelerator.is_main_process:
         return {}
@@ -25,7 +29,7 @@ def has_moments(optimizer: Any) -> bool:
     return any(isinstance(s, dict) and "step" in s for s in torch_opt.state.values())
 
 
-def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dict | None:
+def full_moments(accelerator: Accelerator, module: torch.nn.Module, optimizer: Any) -> dict | None:
     """Adam moments per parameter name, on the main process (None before the first step)."""
     if not has_moments(optimizer):
         return None
@@ -51,3 +55,25 @@ def load_moments(
             "step": step.clone(),
             **{k: moments[name][k].to(param.device, param.dtype) for k in ADAM_MOMENTS},
         }
+
+
+class DDPCheckpoints(CheckpointIO):
+    """DDP's checkpoint I/O: every rank holds every tensor whole, so gathering is reading."""
+
+    def full_weights(self, accelerator: Accelerator, module: torch.nn.Module) -> dict[str, Any]:
+        return full_weights(accelerator, module)
+
+    def full_moments(
+        self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
+    ) -> dict | None:
+        return full_moments(accelerator, module, optimizer)
+
+    def load_moments(
+        self,
+        accelerator: Accelerator,
+        module: torch.nn.Module,
+        optimizer: Any,
+        moments: dict,
+        step: int | None,
+    ) -> None:
+        load_moments(module, optimizer, moments, step)

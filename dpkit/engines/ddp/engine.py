@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.core.launch import Launch
 from dpkit.core.strategy import Strategy
@@ -12,6 +12,14 @@ from dpkit.engines import common
 from dpkit.engines.base import Engine, EngineSettings, Prepared
 from dpkit.engines.ddp import plan
 from dpkit.engines.ddp.settings import buffers_need_forward_sync, ddp_kwargs
+from dpkit.engines.roles.checkpoint_io import CheckpointIO
+from dpkit.engines.roles.measured import MeasuredMemory
+from dpkit.engines.roles.planned import PlanArithmetic
+
+if TYPE_CHECKING:
+    import torch
+
+    from dpkit.engines.roles.views import FlagsView, RequestView, ResolutionView, RunView
 
 
 @dataclass(frozen=True)
@@ -37,13 +45,13 @@ class DDPEngine(Engine):
     strategies = (DDP,)
     collectives = ("ddp_allreduce",)
 
-    def from_flag(self, strategy: Strategy, args: Any, env: Mapping[str, str]) -> Launch:
+    def from_flag(self, strategy: Strategy, args: FlagsView, env: Mapping[str, str]) -> Launch:
         named = args.strategy == strategy.name
         return Launch(
             strategy, f"--strategy {strategy.name}" if named else "default (no DeepSpeed config)"
         )
 
-    def configure(self, strategy: Any, request: Any) -> DDPSettings:
+    def configure(self, strategy: Strategy, request: RequestView) -> DDPSettings:
         common.refuse_fsdp_layers(strategy, request)
         return DDPSettings(
             kwargs={
@@ -53,7 +61,7 @@ class DDPEngine(Engine):
             forward_sync_buffers=buffers_need_forward_sync(request.model),
         )
 
-    def accelerator_options(self, strategy: Any, resolution: Any) -> dict[str, Any]:
+    def accelerator_options(self, strategy: Strategy, resolution: ResolutionView) -> dict[str, Any]:
         from accelerate.utils import DistributedDataParallelKwargs
 
         return {
@@ -63,7 +71,7 @@ class DDPEngine(Engine):
             "kwargs_handlers": [DistributedDataParallelKwargs(**resolution.settings.kwargs)],
         }
 
-    def after_prepare(self, run: Any, model: Any, optimizer: Any) -> Prepared:
+    def after_prepare(self, run: RunView, model: torch.nn.Module, optimizer: Any) -> Prepared:
         wrapper = type(model).__name__
         world_size = run.accelerator.num_processes
         if world_size > 1 and wrapper != "DistributedDataParallel":
@@ -78,12 +86,12 @@ class DDPEngine(Engine):
         model.forward_sync_buffers = run.resolution.settings.forward_sync_buffers
         return Prepared(wrapper, 0, {"ddp_forward_sync_buffers": bool(model.forward_sync_buffers)})
 
-    def own_timing(self, model: Any) -> dict[str, Any]:
+    def own_timing(self, model: torch.nn.Module) -> dict[str, Any]:
         from dpkit.engines.ddp.timing import ddp_timing
 
         return {"ddp_timing": ddp_timing(model)}
 
-    def recognise(self, model: Any, optimizer: Any) -> Any:
+    def recognise(self, model: torch.nn.Module, optimizer: Any) -> Any:
         import torch.distributed as dist
 
         from dpkit.engines.ddp import memory
@@ -93,82 +101,22 @@ class DDPEngine(Engine):
             return self.runnable(zero_stage=0)
         return None
 
-    # memory, measured
-    def walk(self, ledger: Any, model: Any, optimizer: Any) -> dict[str, Any]:
-        from dpkit.engines.ddp import memory
-
-        return memory.walk(ledger, model, optimizer)
-
-    def settings_in_effect(self, model: Any, optimizer: Any) -> dict[str, Any]:
-        from dpkit.engines.ddp import memory
-
-        return memory.settings_in_effect(model)
-
-    # memory, planned
-    def model_state_bytes(
-        self,
-        strategy: Any,
-        num_params: float,
-        world_size: int,
-        precision: str,
-        optimizer: str,
-        param_shapes: Sequence[Sequence[int]] | None,
-    ) -> Any:
-        return plan.model_state_bytes(num_params, optimizer)
-
-    def paper_grad_bytes(
-        self, strategy: Any, num_params: float, world_size: int, precision: str
-    ) -> float:
-        return plan.paper_grad_bytes(num_params)
-
-    def plan_settings(self, spec: Any, world_size: int, on_cuda: bool) -> dict[str, Any]:
-        return {"gradient_as_bucket_view": bool(ddp_kwargs().get("gradient_as_bucket_view", False))}
-
-    def buffer_bytes(
-        self,
-        strategy: Any,
-        spec: Any,
-        world_size: int,
-        precision: str,
-        settings: Mapping[str, Any],
-        grads: float,
-    ) -> dict[str, float]:
-        return plan.buffer_bytes(settings, grads)
-
-    def activation_extras(
-        self, strategy: Any, num_params: float, precision: str
-    ) -> dict[str, float]:
-        return plan.autocast_weight_copies(num_params, precision)
-
-    def activations_under_autocast(self, strategy: Any, precision: str) -> bool:
-        return precision != "fp32"  # accelerate's mixed precision under DDP is autocast
-
-    def plan_settings_text(self, settings: Mapping[str, Any]) -> str:
-        if settings["gradient_as_bucket_view"]:
-            return "DDP gradients are views of its buckets"
-        return "DDP's buckets copy every gradient"
-
-    def why(self, strategy: Any, row: Any, inputs: Any) -> str:
-        return plan.why(strategy, row, inputs)
-
-    # checkpoints
-    def full_weights(self, accelerator: Any, module: Any) -> dict[str, Any]:
-        from dpkit.engines.ddp import checkpoint
-
-        return checkpoint.full_weights(accelerator, module)
-
-    def full_moments(self, accelerator: Any, module: Any, optimizer: Any) -> dict | None:
-        from dpkit.engines.ddp import checkpoint
-
-        return checkpoint.full_moments(accelerator, module, optimizer)
-
-    def load_moments(
-        self, accelerator: Any, module: Any, optimizer: Any, moments: dict, step: Any
-    ) -> None:
-        from dpkit.engines.ddp import checkpoint
-
-        checkpoint.load_moments(module, optimizer, moments, step)
-
     # bench
-    def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
+    def bare_baseline(self, strategy: Strategy) -> tuple[str, str, list[str]]:
         return "torchrun", "--nproc_per_node", ["--module", "dpkit.bench.bare_ddp"]
+
+    @property
+    def memory(self) -> MeasuredMemory:
+        from dpkit.engines.ddp.memory import DDPMemory
+
+        return DDPMemory()
+
+    @property
+    def plan(self) -> PlanArithmetic:
+        return plan.DDPPlan()
+
+    @property
+    def checkpoints(self) -> CheckpointIO:
+        from dpkit.engines.ddp.checkpoint import DDPCheckpoints
+
+        return DDPCheckpoints()

@@ -4,7 +4,7 @@ sizes come from DDP's own logging data)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,10 @@ from dpkit.core.walk import (
     inner_torch_optimizer,
     unwrap_module,
 )
+from dpkit.engines.roles.measured import MeasuredMemory
+
+if TYPE_CHECKING:
+    from dpkit.core.walk import Ledger
 
 
 def find_ddp(model: torch.nn.Module) -> torch.nn.parallel.DistributedDataParallel | None:
@@ -88,3 +92,13 @@ def settings_in_effect(model: torch.nn.Module) -> dict[str, Any]:
         "ddp.static_graph": bool(getattr(ddp, "static_graph", False)),
         "ddp.find_unused_parameters": bool(getattr(ddp, "find_unused_parameters", False)),
     }
+
+
+class DDPMemory(MeasuredMemory):
+    """DDP's measured memory: the module's parameters and their gradients (or DDP's buckets, whose views they are), the torch optimizer's state."""
+
+    def walk(self, ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+        return walk(ledger, model, optimizer)
+
+    def settings_in_effect(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+        return settings_in_effect(model)

@@ -7,10 +7,17 @@ fp32 and there is no separate master copy (16 bytes/param for AdamW, the ZeRO pa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from dpkit.core.units import OPTIMIZER_STATE_BYTES, ModelStateBytes
+from dpkit.engines.ddp.settings import ddp_kwargs
+from dpkit.engines.roles.planned import PlanArithmetic
+
+if TYPE_CHECKING:
+    from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.core.strategy import Strategy
+    from dpkit.engines.roles.views import PlanRowView
 
 
 def model_state_bytes(num_params: float, optimizer: str) -> ModelStateBytes:
@@ -45,7 +52,7 @@ def autocast_weight_copies(num_params: float, precision: str) -> dict[str, float
     return {"autocast_weight_copies": 2.0 * num_params}
 
 
-def why(strategy: Any, row: Any, inputs: Any) -> str:
+def why(strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
     """Why DDP when it fits: nothing needs sharding."""
     from dpkit.core.units import format_gib
 
@@ -54,3 +61,57 @@ def why(strategy: Any, row: Any, inputs: Any) -> str:
         "usable): nothing needs sharding, and ZeRO would add a DeepSpeed engine and sharded "
         "checkpoints for memory that is not needed."
     )
+
+
+class DDPPlan(PlanArithmetic):
+    """DDP's plan arithmetic: every model state whole on every rank, fp32, and DDP's gradient buckets."""
+
+    def model_state_bytes(
+        self,
+        strategy: Strategy,
+        num_params: float,
+        world_size: int,
+        precision: str,
+        optimizer: str,
+        param_shapes: Sequence[Sequence[int]] | None,
+    ) -> Any:
+        return model_state_bytes(num_params, optimizer)
+
+    def paper_grad_bytes(
+        self, strategy: Strategy, num_params: float, world_size: int, precision: str
+    ) -> float:
+        return paper_grad_bytes(num_params)
+
+    def plan_settings(self, spec: ModelSpec, world_size: int, on_cuda: bool) -> dict[str, Any]:
+        return {"gradient_as_bucket_view": bool(ddp_kwargs().get("gradient_as_bucket_view", False))}
+
+    def settings_from_run(self, recorded: Mapping[str, Any]) -> dict[str, Any]:
+        key = "ddp.gradient_as_bucket_view"
+        return {"gradient_as_bucket_view": recorded[key]} if key in recorded else {}
+
+    def buffer_bytes(
+        self,
+        strategy: Strategy,
+        spec: ModelSpec,
+        world_size: int,
+        precision: str,
+        settings: Mapping[str, Any],
+        grads: float,
+    ) -> dict[str, float]:
+        return buffer_bytes(settings, grads)
+
+    def activation_extras(
+        self, strategy: Strategy, num_params: float, precision: str
+    ) -> dict[str, float]:
+        return autocast_weight_copies(num_params, precision)
+
+    def activations_under_autocast(self, strategy: Strategy, precision: str) -> bool:
+        return precision != "fp32"  # accelerate's mixed precision under DDP is autocast
+
+    def plan_settings_text(self, settings: Mapping[str, Any]) -> str:
+        if settings["gradient_as_bucket_view"]:
+            return "DDP gradients are views of its buckets"
+        return "DDP's buckets copy every gradient"
+
+    def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
+        return why(strategy, row, inputs)

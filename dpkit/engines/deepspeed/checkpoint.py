@@ -5,18 +5,26 @@ another world size."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dpkit.core.loss_scale import LossScaler
 from dpkit.core.walk import inner_torch_optimizer
 from dpkit.engines.deepspeed.memory import zero_optimizer
+from dpkit.engines.roles.checkpoint_io import CheckpointIO
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelerate import Accelerator
+
+    from dpkit.core.shards import FlatShard
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def full_weights(accelerator: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(accelerator: Accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The fp32 master copies gathered per parameter (a collective), with the module's
     own buffers; on the main process."""
     from deepspeed.utils import safe_get_full_fp32_param
@@ -44,7 +52,7 @@ def _relink_moments(zero: Any, torch_opt: Any) -> None:
         lazy_init_hp_params_optimizer_state(zero.bit16_groups[i], hp_partition, torch_opt.state)
 
 
-def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dict | None:
+def full_moments(accelerator: Accelerator, module: torch.nn.Module, optimizer: Any) -> dict | None:
     """Adam moments per parameter name at full size, gathered (a collective); None before
     the first step (every rank decides the same way: the step has run on all or none)."""
     from deepspeed.utils import safe_get_full_optimizer_state
@@ -144,7 +152,7 @@ def _partitioned(zero: Any) -> dict[int, Any]:
     return {id(p): p for group in zero.bit16_groups for p in group}
 
 
-def own_shards(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dict:
+def own_shards(accelerator: Accelerator, module: torch.nn.Module, optimizer: Any) -> dict:
     """This rank's part of the training state by key (:mod:`dpkit.core.shards`):
     its fragment of each partitioned parameter's fp32 master and Adam moments (where the
     parameter falls in its partition), an even share of the frozen ones, no gather."""
@@ -178,10 +186,10 @@ def own_shards(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dic
 
 
 def load_own_shards(
-    accelerator: Any,
+    accelerator: Accelerator,
     module: torch.nn.Module,
     optimizer: Any,
-    read: Any,
+    read: Callable[[dict[str, FlatShard]], None],
     step: torch.Tensor,
     *,
     with_moments: bool,
@@ -230,3 +238,58 @@ def load_own_shards(
         torch_opt.state[hp_partition]["step"] = step.clone()
         map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
     zero._hp_optimizer_states_linked = True
+
+
+class DeepSpeedCheckpoints(CheckpointIO):
+    """DeepSpeed ZeRO's checkpoint I/O: fp32 masters and moments gathered per parameter from the partitions (the fragment API), put back re-sharded."""
+
+    def loss_scaler(self, accelerator: Accelerator) -> Any:
+        """DeepSpeed's ``DynamicLossScaler`` inside the ZeRO optimizer (``fp16.enabled``
+        with the default ``loss_scale: 0``); None for the static ``LossScaler(1.0)`` bf16
+        and fp32 ZeRO keep."""
+        from dpkit.engines.deepspeed.checkpoint import DeepSpeedLossScaler
+
+        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+        zero = getattr(getattr(wrapped, "engine", None), "optimizer", None)
+        loss_scaler = getattr(zero, "loss_scaler", None)
+        return DeepSpeedLossScaler(loss_scaler) if getattr(loss_scaler, "dynamic", False) else None
+
+    def full_weights(self, accelerator: Accelerator, module: torch.nn.Module) -> dict[str, Any]:
+        return full_weights(accelerator, module)
+
+    def full_moments(
+        self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
+    ) -> dict | None:
+        return full_moments(accelerator, module, optimizer)
+
+    def load_moments(
+        self,
+        accelerator: Accelerator,
+        module: torch.nn.Module,
+        optimizer: Any,
+        moments: dict,
+        step: int | None,
+    ) -> None:
+        load_moments(module, optimizer, moments, step)
+
+    def load_fp32_masters(
+        self, accelerator: Accelerator, module: torch.nn.Module, weights: dict
+    ) -> None:
+        load_fp32_masters(module, weights)
+
+    def own_shards(
+        self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
+    ) -> dict[str, Any]:
+        return own_shards(accelerator, module, optimizer)
+
+    def load_own_shards(
+        self,
+        accelerator: Accelerator,
+        module: torch.nn.Module,
+        optimizer: Any,
+        read: Callable[[dict[str, FlatShard]], None],
+        step: int | None,
+        *,
+        with_moments: bool,
+    ) -> None:
+        load_own_shards(accelerator, module, optimizer, read, step, with_moments=with_moments)

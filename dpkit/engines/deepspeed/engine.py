@@ -7,7 +7,7 @@ import copy
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.core.launch import Launch, uses_accelerate_without_backend
 from dpkit.core.strategy import Strategy
@@ -17,10 +17,20 @@ from dpkit.engines.deepspeed import plan
 from dpkit.engines.deepspeed.config import fill_deepspeed_config, optimizer_offload
 from dpkit.engines.deepspeed.settings import (
     DEEPSPEED_DEFAULT_BUCKET,
+    TUNE_MIN_BUCKET,
     ZERO_BUCKET_ALIGNMENT,
     zero_memory_settings,
 )
+from dpkit.engines.roles.checkpoint_io import CheckpointIO
+from dpkit.engines.roles.measured import MeasuredMemory
+from dpkit.engines.roles.planned import PlanArithmetic
 from dpkit.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+    from accelerate import Accelerator
+
+    from dpkit.engines.roles.views import FlagsView, RequestView, ResolutionView, RunView
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,26 @@ ZERO3 = Strategy(
 )
 
 
+# DeepSpeed settings an accelerate YAML or flag can give (the launcher passes them as
+# environment variables), which dpkit takes from the DeepSpeed JSON instead.
+_ACCELERATE_OFFLOAD_SETTINGS = {
+    "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "offload_optimizer_device",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "offload_param_device",
+}
+
+
+def refuse_accelerate_offload(env: Mapping[str, str]) -> None:
+    """Offload asked for in accelerate's config: refused rather than dropped (accelerate
+    would ignore it beside a DeepSpeed config file)."""
+    for variable, name in _ACCELERATE_OFFLOAD_SETTINGS.items():
+        device = env.get(variable, "none").lower()
+        if device not in ("", "none"):
+            raise UsageError(
+                f"accelerate config {name}={device}: dpkit does not set up offload from "
+                "accelerate's settings; put offload_optimizer in the DeepSpeed JSON"
+            )
+
+
 class DeepSpeedEngine(Engine):
     """ZeRO-1 and ZeRO-2: DeepSpeed's engine and ZeRO optimizer, configured by one JSON."""
 
@@ -81,7 +111,6 @@ class DeepSpeedEngine(Engine):
     strategies = (ZERO1, ZERO2, ZERO2_OFFLOAD, ZERO3)
     config_file = "ds_config.json"
     tunable = ("reduce_bucket_size", "contiguous_gradients", "overlap_comm")
-    default_bucket = DEEPSPEED_DEFAULT_BUCKET
     reads_config_file = True
     needs_process_group = True
     collectives = ("zero_reduce", "zero_allgather")
@@ -90,7 +119,7 @@ class DeepSpeedEngine(Engine):
         "none of ZeRO's is hidden"
     )
 
-    def launched(self, args: Any, env: Mapping[str, str]) -> Launch | None:
+    def launched(self, args: FlagsView, env: Mapping[str, str]) -> Launch | None:
         """An accelerate DeepSpeed launch (its JSON, or dpkit's for its ``--zero_stage``) or a
         ``--deepspeed`` JSON; the two must agree on the stage, and ``--strategy`` with both."""
         from dpkit import resources
@@ -149,7 +178,7 @@ class DeepSpeedEngine(Engine):
             notes=notes,
         )
 
-    def from_flag(self, strategy: Strategy, args: Any, env: Mapping[str, str]) -> Launch:
+    def from_flag(self, strategy: Strategy, args: FlagsView, env: Mapping[str, str]) -> Launch:
         """dpkit's own JSON for the stage; an accelerate launch without DeepSpeed cannot run it."""
         from dpkit import resources
         from dpkit.engines.deepspeed.config import read_ds_config
@@ -167,8 +196,9 @@ class DeepSpeedEngine(Engine):
             config_template=read_ds_config(path),
         )
 
-    def configure(self, strategy: Any, request: Any) -> ZeroSettings:
+    def configure(self, strategy: Strategy, request: RequestView) -> ZeroSettings:
         common.refuse_fsdp_layers(strategy, request)
+        refuse_accelerate_offload(request.env)
         template, path = request.ds_template or {}, request.ds_config_path or ""
         offload = optimizer_offload(template, path)
         sizes = request.model_sizes
@@ -213,9 +243,34 @@ class DeepSpeedEngine(Engine):
 
         return trainer_config(sizes, config, world_size=world_size, on_cuda=on_cuda)
 
-    def aligned_bucket(self, elements: float) -> int:
-        clamped = int(min(elements, DEEPSPEED_DEFAULT_BUCKET))
-        return -(-clamped // ZERO_BUCKET_ALIGNMENT) * ZERO_BUCKET_ALIGNMENT
+    def tuning_variants(
+        self,
+        strategy: Strategy,
+        ran_with: Mapping[str, Any],
+        *,
+        bucket_sizes: Sequence[int] | None,
+        on_cuda: bool,
+    ) -> list[tuple[tuple[str, Any], ...]]:
+        """A quarter and four times the reduce bucket it ran with (or the sizes asked
+        for), ``contiguous_gradients`` flipped, and ``overlap_comm`` flipped where it can
+        pay (ZeRO-2 on a GPU: CPU collectives run on the compute thread)."""
+
+        def aligned(elements: float) -> int:
+            # Smaller buckets only add per-call costs (measured: settings.MIN_BUCKET_ELEMENTS).
+            clamped = int(min(max(elements, TUNE_MIN_BUCKET), DEEPSPEED_DEFAULT_BUCKET))
+            return -(-clamped // ZERO_BUCKET_ALIGNMENT) * ZERO_BUCKET_ALIGNMENT
+
+        bucket = int(ran_with.get("reduce_bucket_size", DEEPSPEED_DEFAULT_BUCKET))
+        sizes = bucket_sizes or (aligned(bucket / 4), aligned(bucket * 4))
+        variants: list[tuple[tuple[str, Any], ...]] = [
+            (("reduce_bucket_size", int(size)),) for size in sizes if int(size) != bucket
+        ]
+        contiguous = bool(ran_with.get("contiguous_gradients", True))
+        variants.append((("contiguous_gradients", not contiguous),))
+        if on_cuda and strategy.zero_stage == 2:
+            overlap = bool(ran_with.get("overlap_comm", False))
+            variants.append((("overlap_comm", not overlap),))
+        return variants
 
     def bucket_refusal(self, elements: int) -> str:
         if elements % ZERO_BUCKET_ALIGNMENT:
@@ -227,7 +282,7 @@ class DeepSpeedEngine(Engine):
 
         quiet_deepspeed_logger(is_main_process)
 
-    def accelerator_options(self, strategy: Any, resolution: Any) -> dict[str, Any]:
+    def accelerator_options(self, strategy: Strategy, resolution: ResolutionView) -> dict[str, Any]:
         from accelerate import DeepSpeedPlugin
 
         from dpkit.engines.deepspeed.config import skip_deepspeed_cpu_shm_op
@@ -242,7 +297,7 @@ class DeepSpeedEngine(Engine):
         # DeepSpeed finds its CPU accelerator itself: cpu=True would turn it off.
         return {"cpu": False, "deepspeed_plugin": plugin}
 
-    def config_in_effect(self, accelerator: Any) -> dict | None:
+    def config_in_effect(self, accelerator: Accelerator) -> dict | None:
         plugin = getattr(accelerator.state, "deepspeed_plugin", None)
         return None if plugin is None else plugin.deepspeed_config
 
@@ -252,7 +307,7 @@ class DeepSpeedEngine(Engine):
     def scheduler_in_config(self, settings: ZeroSettings) -> bool:
         return "scheduler" in (settings.ds_config or {})
 
-    def after_prepare(self, run: Any, model: Any, optimizer: Any) -> Prepared:
+    def after_prepare(self, run: RunView, model: torch.nn.Module, optimizer: Any) -> Prepared:
         acc, asked = run.accelerator, run.resolution.strategy
         engine = acc.deepspeed_engine_wrapped.engine if acc.deepspeed_engine_wrapped else model
         zero_stage = int(engine.zero_optimization_stage())
@@ -263,7 +318,7 @@ class DeepSpeedEngine(Engine):
             )
         return Prepared(f"{type(engine).__name__}+{inner}", zero_stage)
 
-    def recognise(self, model: Any, optimizer: Any) -> Any:
+    def recognise(self, model: torch.nn.Module, optimizer: Any) -> Any:
         from dpkit.engines.deepspeed.memory import zero_optimizer
 
         zero = zero_optimizer(optimizer)
@@ -272,186 +327,10 @@ class DeepSpeedEngine(Engine):
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
         return self.runnable(zero_stage=stage)
 
-    # memory, measured
-    def walk(self, ledger: Any, model: Any, optimizer: Any) -> dict[str, Any]:
-        from dpkit.engines.deepspeed import memory
-
-        return memory.walk(ledger, model, optimizer)
-
-    def install_probes(self, probes: Any, model: Any, optimizer: Any) -> None:
-        from dpkit.engines.deepspeed import memory
-
-        memory.install_probes(probes, optimizer)
-
-    def precision_in_effect(self, optimizer: Any) -> str | None:
-        import torch
-
-        from dpkit.engines.deepspeed import memory
-
-        zero = memory.zero_optimizer(optimizer)
-        if zero is None:
-            return None
-        dtype = zero.bit16_groups_flat[0].dtype
-        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
-
-    def optimizer_groups(self, optimizer: Any) -> list[list[Any]]:
-        from dpkit.engines.deepspeed import memory
-
-        zero = memory.zero_optimizer(optimizer)
-        if zero is None:
-            return super().optimizer_groups(optimizer)
-        return [list(group) for group in getattr(zero, "bit16_groups", [])]
-
-    def settings_in_effect(self, model: Any, optimizer: Any) -> dict[str, Any]:
-        from dpkit.engines.deepspeed import memory
-
-        return memory.settings_in_effect(optimizer)
-
-    def report_notes(self, strategy: Any, model: Any, optimizer: Any) -> list[str]:
-        from dpkit.engines.deepspeed import memory
-
-        if memory.zero_optimizer(optimizer) is not None:
-            return []
-        return [f"strategy {strategy.name!r} but no ZeRO optimizer found: measured as plain torch"]
-
-    def offload_in_effect(self, optimizer: Any) -> str | None:
-        from dpkit.engines.deepspeed import memory
-
-        zero = memory.zero_optimizer(optimizer)
-        return "cpu" if getattr(zero, "cpu_offload", False) else None
-
-    # memory, planned
-    def model_state_bytes(
-        self,
-        strategy: Any,
-        num_params: float,
-        world_size: int,
-        precision: str,
-        optimizer: str,
-        param_shapes: Sequence[Sequence[int]] | None,
-    ) -> Any:
-        return plan.model_state_bytes(
-            strategy.zero_stage, strategy.offload, num_params, world_size, precision, optimizer
-        )
-
-    def paper_grad_bytes(
-        self, strategy: Any, num_params: float, world_size: int, precision: str
-    ) -> float:
-        return plan.paper_grad_bytes(strategy.zero_stage, num_params, world_size, precision)
-
-    def plan_settings(self, spec: Any, world_size: int, on_cuda: bool) -> dict[str, Any]:
-        return plan.buffer_settings(spec, world_size, on_cuda)
-
-    def buffer_bytes(
-        self,
-        strategy: Any,
-        spec: Any,
-        world_size: int,
-        precision: str,
-        settings: Mapping[str, Any],
-        grads: float,
-    ) -> dict[str, float]:
-        return plan.buffer_bytes(strategy.zero_stage, spec, precision, settings)
-
-    def gradient_layout(self, strategy: Any, inputs: Any, settings: Mapping[str, Any]) -> Any:
-        return plan.gradient_layout(strategy.zero_stage, strategy.offload, inputs, settings)
-
-    def step_bytes(
-        self,
-        strategy: Any,
-        num_params: float,
-        world_size: int,
-        precision: str,
-        grads_laid_out: bool,
-    ) -> dict[str, float]:
-        return plan.step_bytes(
-            strategy.zero_stage, strategy.offload, num_params, world_size, precision, grads_laid_out
-        )
-
-    def optimizer_for_plan(self, strategy: Any, optimizer: str) -> str | None:
-        return plan.optimizer_for_plan(strategy.offload, optimizer)
-
-    def host_bytes(self, strategy: Any, num_params: float, world_size: int) -> float:
-        # Offload builds the fp32 gradient partition in host memory, beside the
-        # optimizer state it feeds (DeepSpeed's estimator counts it there too).
-        return 4.0 * num_params / world_size if strategy.offload else 0.0
-
-    def plan_settings_text(self, settings: Mapping[str, Any]) -> str:
-        return (
-            f"ZeRO reduce bucket {settings['reduce_bucket_size']:,} elements, overlap_comm "
-            f"{settings['overlap_comm']} (dpkit.engines.deepspeed.settings over DeepSpeed's "
-            "defaults)"
-        )
-
-    def model_facts(self, model: Any, params: Sequence[Any]) -> dict[str, Any]:
-        from dpkit.engines.deepspeed.settings import PERSISTENCE_THRESHOLD
-
-        # ZeRO-3 keeps tensors under its persistence threshold whole on every rank.
-        small = sum(p.numel() for p in params if p.numel() < PERSISTENCE_THRESHOLD)
-        return {"small_tensor_params": small}
-
-    def why(self, strategy: Any, row: Any, inputs: Any) -> str:
-        return plan.why(strategy, row, inputs)
-
-    # checkpoints
-    def loss_scaler(self, accelerator: Any) -> Any:
-        """DeepSpeed's ``DynamicLossScaler`` inside the ZeRO optimizer (``fp16.enabled``
-        with the default ``loss_scale: 0``); None for the static ``LossScaler(1.0)`` bf16
-        and fp32 ZeRO keep."""
-        from dpkit.engines.deepspeed.checkpoint import DeepSpeedLossScaler
-
-        wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
-        zero = getattr(getattr(wrapped, "engine", None), "optimizer", None)
-        loss_scaler = getattr(zero, "loss_scaler", None)
-        return DeepSpeedLossScaler(loss_scaler) if getattr(loss_scaler, "dynamic", False) else None
-
-    def full_weights(self, accelerator: Any, module: Any) -> dict[str, Any]:
-        from dpkit.engines.deepspeed import checkpoint
-
-        return checkpoint.full_weights(accelerator, module)
-
-    def full_moments(self, accelerator: Any, module: Any, optimizer: Any) -> dict | None:
-        from dpkit.engines.deepspeed import checkpoint
-
-        return checkpoint.full_moments(accelerator, module, optimizer)
-
-    def load_moments(
-        self, accelerator: Any, module: Any, optimizer: Any, moments: dict, step: Any
-    ) -> None:
-        from dpkit.engines.deepspeed import checkpoint
-
-        checkpoint.load_moments(module, optimizer, moments, step)
-
-    def load_fp32_masters(self, accelerator: Any, module: Any, weights: dict) -> None:
-        from dpkit.engines.deepspeed import checkpoint
-
-        checkpoint.load_fp32_masters(module, weights)
-
-    def own_shards(self, accelerator: Any, module: Any, optimizer: Any) -> dict[str, Any]:
-        from dpkit.engines.deepspeed import checkpoint
-
-        return checkpoint.own_shards(accelerator, module, optimizer)
-
-    def load_own_shards(
-        self,
-        accelerator: Any,
-        module: Any,
-        optimizer: Any,
-        read: Any,
-        step: Any,
-        *,
-        with_moments: bool,
-    ) -> None:
-        from dpkit.engines.deepspeed import checkpoint
-
-        checkpoint.load_own_shards(
-            accelerator, module, optimizer, read, step, with_moments=with_moments
-        )
-
     # bench and tune
 
     def accelerate_yaml(
-        self, strategy: Any, folder: Any, overrides: Mapping[str, Any], config: Any
+        self, strategy: Strategy, folder: Any, overrides: Mapping[str, Any], config: Any
     ) -> str:
         """dpkit's YAML names its DeepSpeed JSON by a path relative to the repository root;
         here by its absolute path (``config``, else dpkit's packaged copy, or a copy with
@@ -477,7 +356,23 @@ class DeepSpeedEngine(Engine):
     def tunable_in_effect(self, config: Mapping[str, Any]) -> dict[str, Any]:
         return dict(config.get("zero_optimization", {}))
 
-    def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
+    def bare_baseline(self, strategy: Strategy) -> tuple[str, str, list[str]]:
         stage = str(strategy.zero_stage)
         module = ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", stage]
         return "deepspeed", "--num_gpus", module
+
+    @property
+    def memory(self) -> MeasuredMemory:
+        from dpkit.engines.deepspeed.memory import DeepSpeedMemory
+
+        return DeepSpeedMemory()
+
+    @property
+    def plan(self) -> PlanArithmetic:
+        return plan.DeepSpeedPlan()
+
+    @property
+    def checkpoints(self) -> CheckpointIO:
+        from dpkit.engines.deepspeed.checkpoint import DeepSpeedCheckpoints
+
+        return DeepSpeedCheckpoints()

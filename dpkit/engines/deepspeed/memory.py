@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,12 @@ from dpkit.core.walk import (
     unwrap_optimizer,
 )
 from dpkit.engines.deepspeed.settings import ZERO_MEMORY_KEYS
+from dpkit.engines.roles.measured import MeasuredMemory
+
+if TYPE_CHECKING:
+    from dpkit.core.strategy import Strategy
+    from dpkit.core.walk import Ledger
+    from dpkit.engines.roles.views import StepProbesView
 
 # Attributes of DeepSpeed's ZeRO stage 1/2 optimizer (deepspeed 0.15-0.19).
 _ZERO_MARKERS = ("single_partition_of_fp32_groups", "bit16_groups_flat")
@@ -266,7 +272,7 @@ class ZeroProbes:
     are named per group.
     """
 
-    def __init__(self, probes: Any, zero: Any) -> None:
+    def __init__(self, probes: StepProbesView, zero: Any) -> None:
         self.probes = probes
         self.zero = zero
         self.in_step = False
@@ -330,7 +336,8 @@ class ZeroProbes:
                 holder = "zero_reduce_flat_copy (parameter larger than the bucket)"
                 probes.probe("zero_reduce_flatten_oversized", extra=[(flat, "buffers", holder)])
             else:
-                probes.bucket_flat_copy_bytes = max(probes.bucket_flat_copy_bytes, nbytes)
+                name = "zero_reduce_flat_copy (largest bucket copy, transient)"
+                probes.sized_buffers[name] = max(probes.sized_buffers.get(name, 0.0), nbytes)
             return flat
 
         probes.replace(zero, "flatten", flatten)
@@ -390,8 +397,47 @@ class ZeroProbes:
         return probed
 
 
-def install_probes(probes: Any, optimizer: Any) -> None:
+def install_probes(probes: StepProbesView, optimizer: Any) -> None:
     """:class:`ZeroProbes` on the run's ZeRO optimizer (none without one)."""
     zero = zero_optimizer(optimizer)
     if zero is not None:
         ZeroProbes(probes, zero)
+
+
+class DeepSpeedMemory(MeasuredMemory):
+    """DeepSpeed ZeRO's measured memory: its 16-bit and fp32 partitions, flat buffers and buckets, read from the ZeRO optimizer, and the points of its step it is probed at."""
+
+    def walk(self, ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+        return walk(ledger, model, optimizer)
+
+    def install_probes(
+        self, probes: StepProbesView, model: torch.nn.Module, optimizer: Any
+    ) -> None:
+        install_probes(probes, optimizer)
+
+    def precision_in_effect(self, optimizer: Any) -> str | None:
+        import torch
+
+        zero = zero_optimizer(optimizer)
+        if zero is None:
+            return None
+        dtype = zero.bit16_groups_flat[0].dtype
+        return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+
+    def optimizer_groups(self, optimizer: Any) -> list[list[Any]]:
+        zero = zero_optimizer(optimizer)
+        if zero is None:
+            return super().optimizer_groups(optimizer)
+        return [list(group) for group in getattr(zero, "bit16_groups", [])]
+
+    def settings_in_effect(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+        return settings_in_effect(optimizer)
+
+    def report_notes(self, strategy: Strategy, model: torch.nn.Module, optimizer: Any) -> list[str]:
+        if zero_optimizer(optimizer) is not None:
+            return []
+        return [f"strategy {strategy.name!r} but no ZeRO optimizer found: measured as plain torch"]
+
+    def offload_in_effect(self, optimizer: Any) -> str | None:
+        zero = zero_optimizer(optimizer)
+        return "cpu" if getattr(zero, "cpu_offload", False) else None

@@ -13,14 +13,22 @@ no torch.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from dpkit.core.units import OPTIMIZER_STATE_BYTES, GradientHighWater, ModelStateBytes, dtype_bytes
 from dpkit.engines.deepspeed.layout import gradient_high_water, group_order, largest_bucket_fill
+from dpkit.engines.roles.planned import PlanArithmetic
+
+if TYPE_CHECKING:
+    import torch
+
+    from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.core.strategy import Strategy
+    from dpkit.engines.roles.views import PlanRowView
 
 
-def buffer_settings(spec: Any, world_size: int, on_cuda: bool) -> dict[str, Any]:
+def buffer_settings(spec: ModelSpec, world_size: int, on_cuda: bool) -> dict[str, Any]:
     """The ZeRO settings a dpkit run uses (:mod:`dpkit.engines.deepspeed.settings`), over
     DeepSpeed's own defaults (``deepspeed/runtime/zero/config.py``); a bare ``--params``
     has no hidden size: DeepSpeed's defaults stand."""
@@ -86,7 +94,7 @@ def paper_grad_bytes(stage: int, num_params: float, world_size: int, precision: 
 
 
 def buffer_bytes(
-    stage: int, spec: Any, precision: str, settings: Mapping[str, Any]
+    stage: int, spec: ModelSpec, precision: str, settings: Mapping[str, Any]
 ) -> dict[str, float]:
     """ZeRO-1/2 (and offload): with ``contiguous_gradients`` the reduce bucket of
     ``reduce_bucket_size`` elements in the module dtype (two with ``overlap_comm``),
@@ -123,7 +131,7 @@ def buffer_bytes(
 
 
 def gradient_layout(
-    stage: int, offload: bool, inputs: Any, settings: Mapping[str, Any]
+    stage: int, offload: bool, inputs: PlanInputs, settings: Mapping[str, Any]
 ) -> GradientHighWater | None:
     """ZeRO-1/2's gradient holding on its worst rank, from the parameter layout; None
     where the paper's figure stands (offload keeps them off the GPU, ZeRO-3 is for
@@ -212,7 +220,7 @@ def optimizer_for_plan(offload: bool, optimizer: str) -> str | None:
     return optimizer
 
 
-def why(strategy: Any, row: Any, inputs: Any) -> str:
+def why(strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
     """What choosing a ZeRO strategy buys and costs."""
     from dpkit.core.units import format_gib
 
@@ -241,3 +249,86 @@ def why(strategy: Any, row: Any, inputs: Any) -> str:
         "backward (1.5x DDP's communication). dpkit runs DeepSpeed up to ZeRO-2, and FSDP2 "
         "full-shard does not fit; ZeRO-3 needs a DeepSpeed config of your own."
     )
+
+
+class DeepSpeedPlan(PlanArithmetic):
+    """DeepSpeed ZeRO's plan arithmetic: the ZeRO paper's per-stage sharding, the fp32 master partition, DeepSpeed's buckets and its step's flat copies."""
+
+    def model_state_bytes(
+        self,
+        strategy: Strategy,
+        num_params: float,
+        world_size: int,
+        precision: str,
+        optimizer: str,
+        param_shapes: Sequence[Sequence[int]] | None,
+    ) -> Any:
+        return model_state_bytes(
+            strategy.zero_stage, strategy.offload, num_params, world_size, precision, optimizer
+        )
+
+    def paper_grad_bytes(
+        self, strategy: Strategy, num_params: float, world_size: int, precision: str
+    ) -> float:
+        return paper_grad_bytes(strategy.zero_stage, num_params, world_size, precision)
+
+    def plan_settings(self, spec: ModelSpec, world_size: int, on_cuda: bool) -> dict[str, Any]:
+        return buffer_settings(spec, world_size, on_cuda)
+
+    def buffer_bytes(
+        self,
+        strategy: Strategy,
+        spec: ModelSpec,
+        world_size: int,
+        precision: str,
+        settings: Mapping[str, Any],
+        grads: float,
+    ) -> dict[str, float]:
+        return buffer_bytes(strategy.zero_stage, spec, precision, settings)
+
+    def gradient_layout(
+        self, strategy: Strategy, inputs: PlanInputs, settings: Mapping[str, Any]
+    ) -> Any:
+        return gradient_layout(strategy.zero_stage, strategy.offload, inputs, settings)
+
+    def step_bytes(
+        self,
+        strategy: Strategy,
+        num_params: float,
+        world_size: int,
+        precision: str,
+        grads_laid_out: bool,
+    ) -> dict[str, float]:
+        return step_bytes(
+            strategy.zero_stage, strategy.offload, num_params, world_size, precision, grads_laid_out
+        )
+
+    def optimizer_for_plan(self, strategy: Strategy, optimizer: str) -> str | None:
+        return optimizer_for_plan(strategy.offload, optimizer)
+
+    def host_bytes(self, strategy: Strategy, num_params: float, world_size: int) -> float:
+        # Offload builds the fp32 gradient partition in host memory, beside the
+        # optimizer state it feeds (DeepSpeed's estimator counts it there too).
+        return 4.0 * num_params / world_size if strategy.offload else 0.0
+
+    def settings_from_run(self, recorded: Mapping[str, Any]) -> dict[str, Any]:
+        return {k.removeprefix("zero."): v for k, v in recorded.items() if k.startswith("zero.")}
+
+    def plan_settings_text(self, settings: Mapping[str, Any]) -> str:
+        return (
+            f"ZeRO reduce bucket {settings['reduce_bucket_size']:,} elements, overlap_comm "
+            f"{settings['overlap_comm']} (dpkit.engines.deepspeed.settings over DeepSpeed's "
+            "defaults)"
+        )
+
+    def model_facts(
+        self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter]
+    ) -> dict[str, Any]:
+        from dpkit.engines.deepspeed.settings import PERSISTENCE_THRESHOLD
+
+        # ZeRO-3 keeps tensors under its persistence threshold whole on every rank.
+        small = sum(p.numel() for p in params if p.numel() < PERSISTENCE_THRESHOLD)
+        return {"small_tensor_params": small}
+
+    def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
+        return why(strategy, row, inputs)

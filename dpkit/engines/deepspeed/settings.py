@@ -25,6 +25,9 @@ DEEPSPEED_DEFAULT_BUCKET = 500_000_000
 # 1,048,576, 64 ms in 2,500,000 and 56 ms in one call (torchrun, 2 ranks, median of 5).
 # hidden^2 alone gives small models tiny buckets (262,144 at hidden 512).
 MIN_BUCKET_ELEMENTS = 2**21
+# The smallest reduce bucket dpkit tune tries (elements): below, buckets only add per-call
+# costs (MIN_BUCKET_ELEMENTS above).
+TUNE_MIN_BUCKET = 2**18
 # DeepSpeed's nccl_start_alignment_factor (stage_1_and_2.py): bucket sizes must be multiples.
 ZERO_BUCKET_ALIGNMENT = 2
 

@@ -5,12 +5,20 @@ gathers them by name and puts them back as each rank's rows."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dpkit.core.walk import inner_torch_optimizer
 from dpkit.engines.fsdp2.shard import reshard
+from dpkit.engines.roles.checkpoint_io import CheckpointIO
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from accelerate import Accelerator
+
+    from dpkit.core.shards import FlatShard
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -22,7 +30,7 @@ def _full_on_main() -> Any:
     return StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
-def full_weights(accelerator: Any, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+def full_weights(accelerator: Accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole parameters and buffers, gathered (a collective); on the main process.
     An evaluation may have left shard-grad-op's parameters whole: sharded again first."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
@@ -32,7 +40,7 @@ def full_weights(accelerator: Any, module: torch.nn.Module) -> dict[str, torch.T
     return state if accelerator.is_main_process else {}
 
 
-def full_moments(accelerator: Any, module: torch.nn.Module, optimizer: Any) -> dict | None:
+def full_moments(accelerator: Accelerator, module: torch.nn.Module, optimizer: Any) -> dict | None:
     """Adam moments by parameter name, whole, on the main process (a collective); None
     before the first step."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
@@ -89,3 +97,57 @@ def load_moments(
         {"state": state, "param_groups": groups},
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+class FSDP2Checkpoints(CheckpointIO):
+    """FSDP2's checkpoint I/O: each rank's own rows of every parameter and moment (DTensor shards), gathered whole or read back as any layout's ranges."""
+
+    def full_weights(self, accelerator: Accelerator, module: torch.nn.Module) -> dict[str, Any]:
+        return full_weights(accelerator, module)
+
+    def full_moments(
+        self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
+    ) -> dict | None:
+        return full_moments(accelerator, module, optimizer)
+
+    def load_moments(
+        self,
+        accelerator: Accelerator,
+        module: torch.nn.Module,
+        optimizer: Any,
+        moments: dict,
+        step: int | None,
+    ) -> None:
+        load_moments(module, optimizer, moments, step)
+
+    def load_weights(
+        self, accelerator: Accelerator, module: torch.nn.Module, weights: dict
+    ) -> None:
+        load_weights(module, weights)
+
+    def own_shards(
+        self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
+    ) -> dict[str, Any]:
+        """Each parameter's and moment's own rows (an evaluation may have left
+        shard-grad-op's parameters whole: sharded again first)."""
+        from dpkit.engines.fsdp2.shard import reshard
+
+        reshard(module)
+        return super().own_shards(accelerator, module, optimizer)
+
+    def load_own_shards(
+        self,
+        accelerator: Accelerator,
+        module: torch.nn.Module,
+        optimizer: Any,
+        read: Callable[[dict[str, FlatShard]], None],
+        step: int | None,
+        *,
+        with_moments: bool,
+    ) -> None:
+        from dpkit.engines.fsdp2.shard import reshard
+
+        reshard(module)
+        super().load_own_shards(
+            accelerator, module, optimizer, read, step, with_moments=with_moments
+        )

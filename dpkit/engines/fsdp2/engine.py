@@ -12,14 +12,22 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.core.launch import Launch
 from dpkit.core.strategy import Strategy
 from dpkit.engines import common
 from dpkit.engines.base import Engine, EngineSettings, Prepared
 from dpkit.engines.fsdp2 import plan
+from dpkit.engines.roles.checkpoint_io import CheckpointIO
+from dpkit.engines.roles.measured import MeasuredMemory
+from dpkit.engines.roles.planned import PlanArithmetic
 from dpkit.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+    from dpkit.engines.roles.views import FlagsView, RequestView, ResolutionView, RunView
 
 
 @dataclass(frozen=True)
@@ -118,7 +126,7 @@ class FSDP2Engine(Engine):
     strategies = (FSDP2_SHARD_GRAD_OP, FSDP2_FULL_SHARD)
     needs_process_group = True
 
-    def launched(self, args: Any, env: Mapping[str, str]) -> Launch | None:
+    def launched(self, args: FlagsView, env: Mapping[str, str]) -> Launch | None:
         """An accelerate FSDP launch (``fsdp_version: 2``): its mode, and the layer classes
         its YAML names. dpkit applies ``fully_shard`` itself (accelerate's own path runs
         unconnected copies on CPU)."""
@@ -139,7 +147,7 @@ class FSDP2Engine(Engine):
         layers = tuple(name.strip() for name in value.split(",") if name.strip())
         return Launch(strategy, source, fsdp_layer_override=layers)
 
-    def configure(self, strategy: Any, request: Any) -> FSDP2Settings:
+    def configure(self, strategy: Strategy, request: RequestView) -> FSDP2Settings:
         if request.precision == "fp16":
             raise UsageError(
                 f"mixed_precision=fp16 with --strategy={strategy.name}: dpkit's FSDP2 runs bf16 "
@@ -165,13 +173,13 @@ class FSDP2Engine(Engine):
             asked_by=asked_by,
         )
 
-    def accelerator_options(self, strategy: Any, resolution: Any) -> dict[str, Any]:
+    def accelerator_options(self, strategy: Strategy, resolution: ResolutionView) -> dict[str, Any]:
         # The strategy was read from an FSDP launch, if any; accelerate would otherwise take
         # its own FSDP path on GPUs (and dpkit's sharded model would be sharded twice).
         os.environ.pop("ACCELERATE_USE_FSDP", None)
         return {"cpu": not resolution.on_cuda}
 
-    def prepare(self, run: Any, objects: Sequence[Any]) -> tuple[Any, ...]:
+    def prepare(self, run: RunView, objects: Sequence[Any]) -> tuple[Any, ...]:
         """Shard the model, switch an optimizer built over its whole parameters onto the
         shards (by parameter name: it must not have stepped), then prepare everything."""
         import torch
@@ -203,7 +211,7 @@ class FSDP2Engine(Engine):
         objects[index] = sharded
         return super().prepare(run, objects)
 
-    def before_optimizer(self, run: Any, model: Any) -> Any:
+    def before_optimizer(self, run: RunView, model: torch.nn.Module) -> Any:
         """Shard ``model`` (each layer a unit, then the root) and hand it to accelerate,
         which then prepares it without a wrapper. The optimizer must be built after:
         FSDP2 replaces the parameters by their shards."""
@@ -224,7 +232,7 @@ class FSDP2Engine(Engine):
         # under mixed precision) and no DDP wrapper; the later prepare() passes it through.
         return run.accelerator.prepare_model(model, evaluation_mode=True)
 
-    def after_prepare(self, run: Any, model: Any, optimizer: Any) -> Prepared:
+    def after_prepare(self, run: RunView, model: torch.nn.Module, optimizer: Any) -> Prepared:
         """The model must be sharded, and the optimizer must hold the shards (built after
         :meth:`before_optimizer`)."""
         from torch.distributed.fsdp import FSDPModule
@@ -247,124 +255,30 @@ class FSDP2Engine(Engine):
         wrapper = f"FSDP2 fully_shard ({unit_count(model)} units)+{type(torch_opt).__name__}"
         return Prepared(wrapper, run.resolution.strategy.zero_stage)
 
-    def after_evaluation(self, model: Any) -> None:
+    def after_evaluation(self, model: torch.nn.Module) -> None:
         from dpkit.engines.fsdp2.shard import reshard
 
         reshard(model)  # shard-grad-op keeps whole parameters after a forward
 
-    # memory, measured
-    def walk(self, ledger: Any, model: Any, optimizer: Any) -> dict[str, Any]:
-        from dpkit.engines.fsdp2 import memory
-
-        return memory.walk(ledger, model, optimizer)
-
-    def install_probes(self, probes: Any, model: Any, optimizer: Any) -> None:
-        from dpkit.engines.fsdp2 import memory
-
-        if memory.fsdp2_params(model):
-            memory.install_probes(probes, model)
-
-    def report_param_shapes(self) -> bool:
-        return True
-
-    # memory, planned
-    def model_state_bytes(
-        self,
-        strategy: Any,
-        num_params: float,
-        world_size: int,
-        precision: str,
-        optimizer: str,
-        param_shapes: Sequence[Sequence[int]] | None,
-    ) -> Any:
-        return plan.model_state_bytes(num_params, world_size, optimizer, param_shapes)
-
-    def paper_grad_bytes(
-        self, strategy: Any, num_params: float, world_size: int, precision: str
-    ) -> float:
-        return plan.paper_grad_bytes(num_params, world_size)
-
-    def buffer_bytes(
-        self,
-        strategy: Any,
-        spec: Any,
-        world_size: int,
-        precision: str,
-        settings: Mapping[str, Any],
-        grads: float,
-    ) -> dict[str, float]:
-        return plan.buffer_bytes(strategy.reshard_after_forward, spec, world_size, precision)
-
-    def plan_row_note(self, strategy: Strategy, row: Any) -> str:
-        return plan.row_note(strategy, row)
-
-    def unprobed_buffer_parts(self, strategy: Any) -> tuple[str, ...]:
-        # A unit's whole gradients and its reduce-scatter input exist inside its backward
-        # only (docs/limits.md); shard-grad-op's whole parameters are seen at the end of
-        # forward, full-shard's are gathered again inside backward.
-        backward = ("fsdp2_root_whole_grads", "fsdp2_reduce_scatter")
-        return (*backward, "fsdp2_whole_params") if strategy.reshard_after_forward else backward
-
-    def model_facts(self, model: Any, params: Sequence[Any]) -> dict[str, Any]:
-        from dpkit.engines.fsdp2.shard import units_of
-
-        unit_of = units_of(model)
-        return {"param_units": tuple(unit_of.get(id(p), -1) for p in params)}
-
-    def why(self, strategy: Any, row: Any, inputs: Any) -> str:
-        return plan.why(strategy, row, inputs)
-
-    # checkpoints
-    def full_weights(self, accelerator: Any, module: Any) -> dict[str, Any]:
-        from dpkit.engines.fsdp2 import checkpoint
-
-        return checkpoint.full_weights(accelerator, module)
-
-    def full_moments(self, accelerator: Any, module: Any, optimizer: Any) -> dict | None:
-        from dpkit.engines.fsdp2 import checkpoint
-
-        return checkpoint.full_moments(accelerator, module, optimizer)
-
-    def load_moments(
-        self, accelerator: Any, module: Any, optimizer: Any, moments: dict, step: Any
-    ) -> None:
-        from dpkit.engines.fsdp2 import checkpoint
-
-        checkpoint.load_moments(module, optimizer, moments, step)
-
-    def load_weights(self, accelerator: Any, module: Any, weights: dict) -> None:
-        from dpkit.engines.fsdp2 import checkpoint
-
-        checkpoint.load_weights(module, weights)
-
-    def own_shards(self, accelerator: Any, module: Any, optimizer: Any) -> dict[str, Any]:
-        """Each parameter's and moment's own rows (an evaluation may have left
-        shard-grad-op's parameters whole: sharded again first)."""
-        from dpkit.engines.fsdp2.shard import reshard
-
-        reshard(module)
-        return super().own_shards(accelerator, module, optimizer)
-
-    def load_own_shards(
-        self,
-        accelerator: Any,
-        module: Any,
-        optimizer: Any,
-        read: Any,
-        step: Any,
-        *,
-        with_moments: bool,
-    ) -> None:
-        from dpkit.engines.fsdp2.shard import reshard
-
-        reshard(module)
-        super().load_own_shards(
-            accelerator, module, optimizer, read, step, with_moments=with_moments
-        )
-
     # bench
 
-    def bare_baseline(self, strategy: Any) -> tuple[str, str, list[str]]:
+    def bare_baseline(self, strategy: Strategy) -> tuple[str, str, list[str]]:
         reshard = str(strategy.reshard_after_forward).lower()
         module = ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", reshard]
         return "torchrun", "--nproc_per_node", module
+
+    @property
+    def memory(self) -> MeasuredMemory:
+        from dpkit.engines.fsdp2.memory import FSDP2Memory
+
+        return FSDP2Memory()
+
+    @property
+    def plan(self) -> PlanArithmetic:
+        return plan.FSDP2Plan()
+
+    @property
+    def checkpoints(self) -> CheckpointIO:
+        from dpkit.engines.fsdp2.checkpoint import FSDP2Checkpoints
+
+        return FSDP2Checkpoints()

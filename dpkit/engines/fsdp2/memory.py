@@ -10,7 +10,7 @@ through FSDP2's records (``FSDPParam``), not ``module.parameters()``.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +21,11 @@ from dpkit.core.walk import (
     inner_torch_optimizer,
     storage_key,
 )
+from dpkit.engines.roles.measured import MeasuredMemory
+
+if TYPE_CHECKING:
+    from dpkit.core.walk import Ledger
+    from dpkit.engines.roles.views import StepProbesView
 
 
 def fsdp2_params(model: torch.nn.Module, recurse: bool = True) -> list[Any]:
@@ -81,7 +86,7 @@ def whole_param_keys(unit: torch.nn.Module) -> set[tuple[str, int, int]]:
     }
 
 
-def install_probes(probes: Any, model: torch.nn.Module) -> None:
+def install_probes(probes: StepProbesView, model: torch.nn.Module) -> None:
     """Shard-grad-op holds every unit's whole parameters from the end of the forward
     until each unit's backward: the largest moment of its buffers, probed at the end of
     a training forward. The activation count skips each unit's whole parameters (a
@@ -100,3 +105,19 @@ def install_probes(probes: Any, model: torch.nn.Module) -> None:
     for module in model.modules():
         if module is not model and fsdp2_params(module, recurse=False):
             activations.add_handle(module.register_forward_pre_hook(activations.note_params))
+
+
+class FSDP2Memory(MeasuredMemory):
+    """FSDP2's measured memory: each parameter's local shard, its gradient and optimizer state, and the whole parameters a unit holds while it computes."""
+
+    def walk(self, ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
+        return walk(ledger, model, optimizer)
+
+    def install_probes(
+        self, probes: StepProbesView, model: torch.nn.Module, optimizer: Any
+    ) -> None:
+        if fsdp2_params(model):
+            install_probes(probes, model)
+
+    def report_param_shapes(self) -> bool:
+        return True

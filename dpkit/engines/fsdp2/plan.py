@@ -11,11 +11,19 @@ it is Psi/N. Pure arithmetic: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
+from dpkit.core.strategy import Strategy
 from dpkit.core.units import OPTIMIZER_STATE_BYTES, ModelStateBytes, dtype_bytes
 from dpkit.engines.fsdp2 import layout
+from dpkit.engines.roles.planned import PlanArithmetic
+
+if TYPE_CHECKING:
+    import torch
+
+    from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.engines.roles.views import PlanRowView
 
 
 def model_state_bytes(
@@ -45,7 +53,7 @@ def paper_grad_bytes(num_params: float, world_size: int) -> float:
 
 
 def buffer_bytes(
-    reshard_after_forward: bool, spec: Any, world_size: int, precision: str
+    reshard_after_forward: bool, spec: ModelSpec, world_size: int, precision: str
 ) -> dict[str, float]:
     """FSDP2's whole parameters and gradients per GPU at the start of backward, by name
     (:func:`dpkit.engines.fsdp2.layout.transient_bytes`), in the compute dtype (bf16/fp16
@@ -74,7 +82,7 @@ def buffer_bytes(
     return {f"fsdp2_{name}": value for name, value in parts.items()}
 
 
-def why(strategy: Any, row: Any, inputs: Any) -> str:
+def why(strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
     """What choosing an FSDP2 mode buys and costs."""
     n = inputs.world_size
     if not strategy.reshard_after_forward:
@@ -91,7 +99,7 @@ def why(strategy: Any, row: Any, inputs: Any) -> str:
     )
 
 
-def row_note(strategy: Any, row: Any) -> str:
+def row_note(strategy: Strategy, row: PlanRowView) -> str:
     """What an FSDP2 row's buffers hold whole, for the notes under the plan's table."""
     from dpkit.core.units import format_gib
 
@@ -113,3 +121,55 @@ def row_note(strategy: Any, row: Any) -> str:
         f"in the compute dtype), whole gradients and reduce-scatter input {format_gib(grads)} "
         "(dpkit.engines.fsdp2.layout)"
     )
+
+
+class FSDP2Plan(PlanArithmetic):
+    """FSDP2's plan arithmetic: every state sharded on dim 0 (padded per parameter), units all-gathered whole for their compute."""
+
+    def model_state_bytes(
+        self,
+        strategy: Strategy,
+        num_params: float,
+        world_size: int,
+        precision: str,
+        optimizer: str,
+        param_shapes: Sequence[Sequence[int]] | None,
+    ) -> Any:
+        return model_state_bytes(num_params, world_size, optimizer, param_shapes)
+
+    def paper_grad_bytes(
+        self, strategy: Strategy, num_params: float, world_size: int, precision: str
+    ) -> float:
+        return paper_grad_bytes(num_params, world_size)
+
+    def buffer_bytes(
+        self,
+        strategy: Strategy,
+        spec: ModelSpec,
+        world_size: int,
+        precision: str,
+        settings: Mapping[str, Any],
+        grads: float,
+    ) -> dict[str, float]:
+        return buffer_bytes(strategy.reshard_after_forward, spec, world_size, precision)
+
+    def plan_row_note(self, strategy: Strategy, row: PlanRowView) -> str:
+        return row_note(strategy, row)
+
+    def unprobed_buffer_parts(self, strategy: Strategy) -> tuple[str, ...]:
+        # A unit's whole gradients and its reduce-scatter input exist inside its backward
+        # only (docs/limits.md); shard-grad-op's whole parameters are seen at the end of
+        # forward, full-shard's are gathered again inside backward.
+        backward = ("fsdp2_root_whole_grads", "fsdp2_reduce_scatter")
+        return (*backward, "fsdp2_whole_params") if strategy.reshard_after_forward else backward
+
+    def model_facts(
+        self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter]
+    ) -> dict[str, Any]:
+        from dpkit.engines.fsdp2.shard import units_of
+
+        unit_of = units_of(model)
+        return {"param_units": tuple(unit_of.get(id(p), -1) for p in params)}
+
+    def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
+        return why(strategy, row, inputs)
