@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     # flags
     "parse_args": "dpkit.train.parsing",
     "StrategyConfig": "dpkit.train.config",
+    "RunOptions": "dpkit.train.config",
     "ModelConfig": "dpkit.train.finetune_config",
     "DataConfig": "dpkit.train.finetune_config",
     "TrainConfig": "dpkit.train.finetune_config",

@@ -19,6 +19,7 @@ module outside ``dpkit/engines/`` imports a backend's package, and there is no c
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -225,3 +226,24 @@ def test_the_checks_catch_a_function_level_circle_and_an_upward_import(tmp_path)
     assert backend_imports_outside_the_engines(graph) == [
         "dpkit.plan.estimate:1 imports dpkit.engines.ddp.engine"
     ]
+
+
+def test_the_picture_in_docs_architecture_md_is_these_floors():
+    """Each module the floors picture in docs/architecture.md draws on a floor (a line
+    ``N  name  dpkit/...``, with its continuation lines) is on that floor here."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    picture = text.split("## The floors", 1)[1].split("```", 2)[1]
+    drawn: dict[str, int] = {}
+    floor = None
+    for line in picture.splitlines():
+        head = line.strip().split(" ", 1)[0]
+        if head.isdigit():
+            floor = int(head)
+        if floor is None:
+            continue
+        for cited in re.findall(r"dpkit(?:/[\w.]+)*/?", line):
+            module = cited.rstrip("/").removesuffix(".py").replace("/", ".")
+            drawn[module.removesuffix(".__init__")] = floor
+    assert len(drawn) >= 15, drawn
+    wrong = {m: (f, floor_of(m)) for m, f in drawn.items() if floor_of(m) != f}
+    assert not wrong, f"drawn floor vs tests/test_layers.py's floor: {wrong}"

@@ -6,9 +6,11 @@ bad input costs one line and exit code 2, never a half-started job.
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 from dpkit.engines import RUNNABLE, engine_of, get_strategy
 from dpkit.errors import UsageError, check_field
@@ -218,3 +220,79 @@ def config_dict(*configs: object) -> dict:
         or k.startswith("ACCELERATE_")
     }
     return merged
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What a run does besides its strategy (:func:`dpkit.setup`'s keywords, as one
+    object): the batch layout, the optimizer's settings, the run folder, checkpoints,
+    memory probes and accelerate's switches. Checked when built: a bad value is one line
+    naming the field."""
+
+    micro_batch_size: int
+    """Samples per process per forward."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step."""
+    max_grad_norm: float = 0.0
+    """The clipping norm the loop uses (0: none); DeepSpeed clips inside its step, so its
+    config gets it too."""
+    learning_rate: float | None = None
+    """The peak lr of one process without accumulation: recorded, scaled by
+    :attr:`scale_lr`, and given to a DeepSpeed JSON's own optimizer."""
+    scale_lr: str = "none"
+    """``none``, ``linear`` or ``sqrt``: scale :attr:`learning_rate` with the global batch."""
+    weight_decay: float | None = None
+    """For a DeepSpeed JSON with its own ``optimizer`` section."""
+    output_dir: str | None = None
+    """The run folder (``run_config.json``, ``run_info.json``, checkpoints,
+    ``memory_report.json``); None: nothing is written."""
+    configs: tuple[Any, ...] = ()
+    """The script's other flag dataclasses, recorded in ``run_config.json``."""
+    resume: Any = None
+    """A checkpoint to continue (:func:`dpkit.checkpoints.resume.find_resume`): its global
+    batch, model (as named), labels and parameter shapes must be this run's."""
+    seed: int = 0
+    """Recorded with each checkpoint; seeds LoRA's adapters."""
+    data_seed: int | None = None
+    """Seed accelerate's sampler (the same shuffle on every strategy and world size)."""
+    tokenizer: Any = None
+    """Saved beside each checkpoint and the final model."""
+    keep_last: int = 0
+    """Keep the newest N checkpoints (0: all)."""
+    save_checkpoints: bool = True
+    """False: the run writes no checkpoint."""
+    checkpoint_format: str = "sharded"
+    """``sharded`` (every rank writes its own part; the ranks share a file system) or
+    ``full`` (gathered, written by the main process)."""
+    async_save: bool = False
+    """Sharded checkpoints written in the background: each rank copies its part to CPU
+    memory and trains on."""
+    memory_probe_steps: int = 1
+    """Probe the memory inside the first N optimizer steps (-1: all)."""
+    step_scheduler_with_optimizer: bool = True
+    """accelerate's switch (dpkit's recipes count optimizer steps and pass False)."""
+    log_with: str | None = None
+    """accelerate's trackers."""
+
+    def __post_init__(self) -> None:
+        if self.checkpoint_format not in ("sharded", "full"):
+            raise UsageError(
+                f"checkpoint_format={self.checkpoint_format!r}: must be 'sharded' or 'full'"
+            )
+        if self.async_save and self.checkpoint_format != "sharded":
+            raise UsageError(
+                f"async_save=True: only with sharded checkpoints (checkpoint_format="
+                f"{self.checkpoint_format!r} gathers the state on the main process)"
+            )
+
+    @classmethod
+    def of(cls, keywords: dict[str, Any]) -> RunOptions:
+        """The options named in ``keywords`` (:func:`dpkit.setup`'s); a name that is no
+        field is refused in one line naming the closest."""
+        names = [f.name for f in fields(cls)]
+        unknown = [k for k in keywords if k not in names]
+        if unknown:
+            close = difflib.get_close_matches(unknown[0], names, n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise UsageError(f"setup({unknown[0]}=...): not an option of dpkit.setup{hint}")
+        return cls(**keywords)

@@ -126,6 +126,7 @@ def resolve(
     scale_lr: str = "none",
     weight_decay: float | None = None,
     env: Mapping[str, str] | None = None,
+    lora: LoraSettings | None = None,
 ) -> Resolution:
     """Resolve the run before any process group starts; bad input raises UsageError.
 
@@ -146,6 +147,8 @@ def resolve(
             batch (:func:`scaled_learning_rate`).
         weight_decay: for a DeepSpeed JSON with its own ``optimizer`` section.
         env: the launcher's environment (default ``os.environ``).
+        lora: the LoRA settings as :func:`dpkit.setup` read them from ``args`` (None: read
+            here).
     """
     args = args or StrategyConfig()
     env = os.environ if env is None else env
@@ -198,7 +201,7 @@ def resolve(
         settings=settings,
         learning_rate=learning_rate,
         gradient_checkpointing=args.gradient_checkpointing,
-        lora=LoraSettings.from_args(args),
+        lora=lora if lora is not None else LoraSettings.from_args(args),
     )
 
 

@@ -38,6 +38,7 @@ from dpkit.core.strategy import Strategy
 from dpkit.engines import engine_of
 from dpkit.errors import UsageError
 from dpkit.train.accelerator import start_accelerator
+from dpkit.train.config import RunOptions
 from dpkit.train.resolution import Resolution
 
 logger = logging.getLogger("dpkit")
@@ -113,37 +114,21 @@ class Run:
     def __init__(
         self,
         resolution: Resolution,
+        options: RunOptions,
         *,
-        start_options: dict[str, Any] | None = None,
-        output_dir: str | None = None,
         run_config: dict | None = None,
-        resume: Any = None,
-        seed: int = 0,
-        tokenizer: Any = None,
-        keep_last: int = 0,
-        save_checkpoints: bool = True,
-        memory_probe_steps: int = 1,
         model_name: str | None = None,
-        checkpoint_format: str = "sharded",
-        async_save: bool = False,
     ) -> None:
         self.resolution = resolution
-        self._start_options = dict(start_options or {})
+        self.options = options
+        """What the run does besides its strategy (:class:`~dpkit.train.config.RunOptions`)."""
         self._accelerator: Any = None
-        self._output_dir = output_dir
         self._run_config = run_config or {}
         self.output: Any = None
         """The run folder (:class:`~dpkit.train.output.RunOutput`), once the run has
         started, or None without one."""
-        self.resume = resume
+        self.resume = options.resume
         """The checkpoint :meth:`prepare` restores (:class:`~dpkit.checkpoints.resume.Resume`)."""
-        self.seed = seed
-        self.tokenizer = tokenizer
-        self.keep_last = keep_last
-        self.save_checkpoints = save_checkpoints
-        self.checkpoint_format = checkpoint_format
-        self.async_save = async_save
-        self.memory_probe_steps = memory_probe_steps
         self.model_name = model_name
         """What the run trains from, as named (recorded with each checkpoint)."""
         self.info: RunInfo | None = None
@@ -166,9 +151,16 @@ class Run:
         if self._accelerator is None:
             from dpkit.train.output import RunOutput
 
-            self._accelerator = start_accelerator(self.resolution, **self._start_options)
-            if self._output_dir is not None:
-                self.output = RunOutput(self._output_dir, self._accelerator.is_main_process)
+            options = self.options
+            self._accelerator = start_accelerator(
+                self.resolution,
+                data_seed=options.data_seed,
+                step_scheduler_with_optimizer=options.step_scheduler_with_optimizer,
+                log_with=options.log_with,
+                project_dir=options.output_dir,
+            )
+            if options.output_dir is not None:
+                self.output = RunOutput(options.output_dir, self._accelerator.is_main_process)
                 resume_step = self.resume.state.step if self.resume else None
                 self.output.start(self._run_config, resume_step=resume_step)
         return self._accelerator
@@ -219,7 +211,7 @@ class Run:
         # The adapters' initial values from the run's seed, the same on every rank (FSDP2
         # broadcasts nothing) and whatever the RNG has drawn so far, which stays untouched.
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.seed)
+            torch.manual_seed(self.options.seed)
             return apply_lora(model, self.resolution.lora)
 
     def make_optimizer(self, params: Any, lr: float, weight_decay: float) -> Any:
@@ -290,13 +282,13 @@ class Run:
             self.checkpoints = Checkpointer(
                 self,
                 self.output.path,
-                seed=self.seed,
-                keep_last=self.keep_last,
-                tokenizer=self.tokenizer,
-                enabled=self.save_checkpoints,
+                seed=self.options.seed,
+                keep_last=self.options.keep_last,
+                tokenizer=self.options.tokenizer,
+                enabled=self.options.save_checkpoints,
                 model_name=self.model_name,
-                checkpoint_format=self.checkpoint_format,
-                async_save=self.async_save,
+                checkpoint_format=self.options.checkpoint_format,
+                async_save=self.options.async_save,
             )
             self.position = self.checkpoints.restore(model, optimizer, scheduler, self.resume)
         else:
@@ -304,7 +296,7 @@ class Run:
         self.memory = self.track_memory(
             model,
             optimizer,
-            probe_steps=self.memory_probe_steps,
+            probe_steps=self.options.memory_probe_steps,
             # What `dpkit plan --against` reads of a script of the user's own (a recipe's
             # run_config.json names its model; a script's names only the strategy flags).
             model_record=model_record(
@@ -413,7 +405,7 @@ class Run:
         ``from_pretrained``, without DeepSpeed); every rank calls, the main process writes."""
         from dpkit.checkpoints.state import save_model
 
-        save_model(self.engine, self.accelerator, model, path, tokenizer or self.tokenizer)
+        save_model(self.engine, self.accelerator, model, path, tokenizer or self.options.tokenizer)
 
     def finish(self, step: int | None = None) -> Any:
         """The end of the run, on every rank (like ``accelerator.end_training``): gathers

@@ -16,57 +16,39 @@ if TYPE_CHECKING:
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def full_weights(accelerator: Accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The module's state on the main process (a copy: the live parameters keep training)."""
-    if not accelerator.is_main_process:
-        return {}
-    return {name: value.detach().to("cpu").clone() for name, value in module.state_dict().items()}
-
-
 def has_moments(optimizer: Any) -> bool:
     """Whether the optimizer has stepped (AdamW's state exists only after its first step)."""
     torch_opt = inner_torch_optimizer(optimizer)
     return any(isinstance(s, dict) and "step" in s for s in torch_opt.state.values())
 
 
-def full_moments(accelerator: Accelerator, module: torch.nn.Module, optimizer: Any) -> dict | None:
-    """Adam moments per parameter name, on the main process (None before the first step)."""
-    if not has_moments(optimizer):
-        return None
-    torch_opt = inner_torch_optimizer(optimizer)
-    if not accelerator.is_main_process:
-        return {}
-    return {
-        name: {k: torch_opt.state[param][k].to("cpu", torch.float32).clone() for k in ADAM_MOMENTS}
-        for name, param in module.named_parameters()
-        if param.requires_grad  # a frozen weight (LoRA's) has no moments
-    }
-
-
-def load_moments(
-    module: torch.nn.Module, optimizer: Any, moments: dict, step: torch.Tensor
-) -> None:
-    """Whole moments by name into the torch optimizer's state."""
-    torch_opt = inner_torch_optimizer(optimizer)
-    for name, param in module.named_parameters():
-        if not param.requires_grad:
-            continue
-        torch_opt.state[param] = {
-            "step": step.clone(),
-            **{k: moments[name][k].to(param.device, param.dtype) for k in ADAM_MOMENTS},
-        }
-
-
 class DDPCheckpoints(CheckpointIO):
     """DDP's checkpoint I/O: every rank holds every tensor whole, so gathering is reading."""
 
     def full_weights(self, accelerator: Accelerator, module: torch.nn.Module) -> dict[str, Any]:
-        return full_weights(accelerator, module)
+        """The module's state on the main process (a copy: the live parameters keep training)."""
+        if not accelerator.is_main_process:
+            return {}
+        return {
+            name: value.detach().to("cpu").clone() for name, value in module.state_dict().items()
+        }
 
     def full_moments(
         self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
     ) -> dict | None:
-        return full_moments(accelerator, module, optimizer)
+        """Adam moments per parameter name, on the main process (None before the first step)."""
+        if not has_moments(optimizer):
+            return None
+        torch_opt = inner_torch_optimizer(optimizer)
+        if not accelerator.is_main_process:
+            return {}
+        return {
+            name: {
+                k: torch_opt.state[param][k].to("cpu", torch.float32).clone() for k in ADAM_MOMENTS
+            }
+            for name, param in module.named_parameters()
+            if param.requires_grad  # a frozen weight (LoRA's) has no moments
+        }
 
     def load_moments(
         self,
@@ -76,4 +58,12 @@ class DDPCheckpoints(CheckpointIO):
         moments: dict,
         step: int | None,
     ) -> None:
-        load_moments(module, optimizer, moments, step)
+        """Whole moments by name into the torch optimizer's state."""
+        torch_opt = inner_torch_optimizer(optimizer)
+        for name, param in module.named_parameters():
+            if not param.requires_grad:
+                continue
+            torch_opt.state[param] = {
+                "step": step.clone(),
+                **{k: moments[name][k].to(param.device, param.dtype) for k in ADAM_MOMENTS},
+            }

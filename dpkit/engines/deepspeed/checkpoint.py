@@ -24,21 +24,6 @@ if TYPE_CHECKING:
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def full_weights(accelerator: Accelerator, module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The fp32 master copies gathered per parameter (a collective), with the module's
-    own buffers; on the main process."""
-    from deepspeed.utils import safe_get_full_fp32_param
-
-    gathered = {}
-    for name, param in module.named_parameters():
-        full = safe_get_full_fp32_param(param)
-        if accelerator.is_main_process:  # a copy: the live parameters keep training
-            gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
-    if not accelerator.is_main_process:
-        return {}
-    return {**module.state_dict(), **gathered}
-
-
 def _relink_moments(zero: Any, torch_opt: Any) -> None:
     """Point every parameter's fragment at its slice of the flat Adam moments.
 
@@ -50,68 +35,6 @@ def _relink_moments(zero: Any, torch_opt: Any) -> None:
 
     for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
         lazy_init_hp_params_optimizer_state(zero.bit16_groups[i], hp_partition, torch_opt.state)
-
-
-def full_moments(accelerator: Accelerator, module: torch.nn.Module, optimizer: Any) -> dict | None:
-    """Adam moments per parameter name at full size, gathered (a collective); None before
-    the first step (every rank decides the same way: the step has run on all or none)."""
-    from deepspeed.utils import safe_get_full_optimizer_state
-
-    zero = zero_optimizer(optimizer)
-    torch_opt = inner_torch_optimizer(optimizer)
-    if not getattr(zero, "_hp_optimizer_states_linked", False):
-        return None
-    _relink_moments(zero, torch_opt)
-    moments = {}
-    for name, param in module.named_parameters():
-        if not param.requires_grad:  # a frozen weight (LoRA's) is in no ZeRO group
-            continue
-        entry = {}
-        for key in ADAM_MOMENTS:
-            value = safe_get_full_optimizer_state(param, key)
-            if accelerator.is_main_process:
-                entry[key] = value.to("cpu", torch.float32).clone()
-        moments[name] = entry
-    return moments if accelerator.is_main_process else {}
-
-
-def load_moments(
-    module: torch.nn.Module, optimizer: Any, moments: dict, step: torch.Tensor
-) -> None:
-    """Each rank keeps the slice of every moment that falls in its partition, then
-    DeepSpeed assembles its flat state from those fragments (the same path as its
-    universal-checkpoint load)."""
-    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
-
-    zero = zero_optimizer(optimizer)
-    torch_opt = inner_torch_optimizer(optimizer)
-    name_of = {id(p): n for n, p in module.named_parameters()}
-    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
-        for lp in zero.bit16_groups[i]:
-            mapping = lp._hp_mapping
-            if mapping is None:
-                continue
-            address = mapping.lp_fragment_address
-            if mapping.optim_fragment is None:  # no step has run yet in this process
-                mapping.optim_fragment = {}
-            for key in ADAM_MOMENTS:
-                full = moments[name_of[id(lp)]][key].flatten()
-                mapping.optim_fragment[key] = full.narrow(0, address.start, address.numel).to(
-                    hp_partition.device, hp_partition.dtype
-                )
-        torch_opt.state[hp_partition]["step"] = step.clone()
-        map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
-    zero._hp_optimizer_states_linked = True
-
-
-def load_fp32_masters(module: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
-    """Set the fp32 master copies exactly (the module was loaded from the same weights,
-    but a bf16 module would have rounded them)."""
-    from deepspeed.utils import safe_set_full_fp32_param
-
-    for name, param in module.named_parameters():
-        if hasattr(param, "_hp_mapping"):
-            safe_set_full_fp32_param(param, weights[name].to(param.device))
 
 
 # The fields of DeepSpeed's DynamicLossScaler (runtime/fp16/loss_scaler.py) that change
@@ -152,94 +75,6 @@ def _partitioned(zero: Any) -> dict[int, Any]:
     return {id(p): p for group in zero.bit16_groups for p in group}
 
 
-def own_shards(accelerator: Accelerator, module: torch.nn.Module, optimizer: Any) -> dict:
-    """This rank's part of the training state by key (:mod:`dpkit.core.shards`):
-    its fragment of each partitioned parameter's fp32 master and Adam moments (where the
-    parameter falls in its partition), an even share of the frozen ones, no gather."""
-    from dpkit.core import shards
-
-    zero = zero_optimizer(optimizer)
-    partitioned = _partitioned(zero)
-    linked = getattr(zero, "_hp_optimizer_states_linked", False)
-    if linked:
-        _relink_moments(zero, inner_torch_optimizer(optimizer))
-    state = shards.replicated_state(
-        module,
-        optimizer,
-        accelerator.process_index,
-        accelerator.num_processes,
-        skip=set(partitioned),
-    )
-    for name, param in module.named_parameters():
-        mapping = getattr(param, "_hp_mapping", None) if id(param) in partitioned else None
-        if mapping is None:  # not partitioned, or no fragment of it on this rank
-            continue
-        address = mapping.lp_fragment_address
-        state[shards.weight_key(name)] = shards.FlatShard(
-            param.numel(), address.start, mapping.hp_fragment.detach()
-        )
-        for moment in ADAM_MOMENTS if linked else ():
-            state[shards.moment_key(name, moment)] = shards.FlatShard(
-                param.numel(), address.start, mapping.optim_fragment[moment].detach()
-            )
-    return state
-
-
-def load_own_shards(
-    accelerator: Accelerator,
-    module: torch.nn.Module,
-    optimizer: Any,
-    read: Callable[[dict[str, FlatShard]], None],
-    step: torch.Tensor,
-    *,
-    with_moments: bool,
-) -> None:
-    """Read this rank's fragments of the fp32 masters and moments (and the frozen weights
-    whole) from a sharded checkpoint of any layout, then let DeepSpeed copy the masters
-    into the module's weights on every rank and assemble its flat optimizer state."""
-    from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
-
-    from dpkit.core import shards
-
-    zero = zero_optimizer(optimizer)
-    torch_opt = inner_torch_optimizer(optimizer)
-    partitioned = _partitioned(zero)
-    targets = shards.replicated_targets(
-        module, optimizer, step, with_moments=False, skip=set(partitioned)
-    )
-    moments: dict[int, dict[str, torch.Tensor]] = {}
-    for name, param in module.named_parameters():
-        mapping = getattr(param, "_hp_mapping", None) if id(param) in partitioned else None
-        if mapping is None:
-            continue
-        address = mapping.lp_fragment_address
-        targets.shards[shards.weight_key(name)] = shards.FlatShard(
-            param.numel(), address.start, mapping.hp_fragment.data
-        )
-        if with_moments:
-            moments[id(param)] = {
-                moment: torch.empty_like(mapping.hp_fragment.data) for moment in ADAM_MOMENTS
-            }
-            for moment, local in moments[id(param)].items():
-                targets.shards[shards.moment_key(name, moment)] = shards.FlatShard(
-                    param.numel(), address.start, local
-                )
-    read(targets.shards)
-    targets.finish()
-    zero.update_lp_params()  # the module's weights from the masters just read (a collective)
-    if not with_moments:
-        return
-    for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
-        for lp in zero.bit16_groups[i]:
-            mapping = lp._hp_mapping
-            if mapping is None:
-                continue
-            mapping.optim_fragment = moments[id(lp)]
-        torch_opt.state[hp_partition]["step"] = step.clone()
-        map_to_flat_opt_states(hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS)
-    zero._hp_optimizer_states_linked = True
-
-
 class DeepSpeedCheckpoints(CheckpointIO):
     """DeepSpeed ZeRO's checkpoint I/O: fp32 masters and moments gathered per parameter from the partitions (the fragment API), put back re-sharded."""
 
@@ -255,12 +90,42 @@ class DeepSpeedCheckpoints(CheckpointIO):
         return DeepSpeedLossScaler(loss_scaler) if getattr(loss_scaler, "dynamic", False) else None
 
     def full_weights(self, accelerator: Accelerator, module: torch.nn.Module) -> dict[str, Any]:
-        return full_weights(accelerator, module)
+        """The fp32 master copies gathered per parameter (a collective), with the module's
+        own buffers; on the main process."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        gathered = {}
+        for name, param in module.named_parameters():
+            full = safe_get_full_fp32_param(param)
+            if accelerator.is_main_process:  # a copy: the live parameters keep training
+                gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
+        if not accelerator.is_main_process:
+            return {}
+        return {**module.state_dict(), **gathered}
 
     def full_moments(
         self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
     ) -> dict | None:
-        return full_moments(accelerator, module, optimizer)
+        """Adam moments per parameter name at full size, gathered (a collective); None before
+        the first step (every rank decides the same way: the step has run on all or none)."""
+        from deepspeed.utils import safe_get_full_optimizer_state
+
+        zero = zero_optimizer(optimizer)
+        torch_opt = inner_torch_optimizer(optimizer)
+        if not getattr(zero, "_hp_optimizer_states_linked", False):
+            return None
+        _relink_moments(zero, torch_opt)
+        moments = {}
+        for name, param in module.named_parameters():
+            if not param.requires_grad:  # a frozen weight (LoRA's) is in no ZeRO group
+                continue
+            entry = {}
+            for key in ADAM_MOMENTS:
+                value = safe_get_full_optimizer_state(param, key)
+                if accelerator.is_main_process:
+                    entry[key] = value.to("cpu", torch.float32).clone()
+            moments[name] = entry
+        return moments if accelerator.is_main_process else {}
 
     def load_moments(
         self,
@@ -270,17 +135,77 @@ class DeepSpeedCheckpoints(CheckpointIO):
         moments: dict,
         step: int | None,
     ) -> None:
-        load_moments(module, optimizer, moments, step)
+        """Each rank keeps the slice of every moment that falls in its partition, then
+        DeepSpeed assembles its flat state from those fragments (the same path as its
+        universal-checkpoint load)."""
+        from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+        zero = zero_optimizer(optimizer)
+        torch_opt = inner_torch_optimizer(optimizer)
+        name_of = {id(p): n for n, p in module.named_parameters()}
+        for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+            for lp in zero.bit16_groups[i]:
+                mapping = lp._hp_mapping
+                if mapping is None:
+                    continue
+                address = mapping.lp_fragment_address
+                if mapping.optim_fragment is None:  # no step has run yet in this process
+                    mapping.optim_fragment = {}
+                for key in ADAM_MOMENTS:
+                    full = moments[name_of[id(lp)]][key].flatten()
+                    mapping.optim_fragment[key] = full.narrow(0, address.start, address.numel).to(
+                        hp_partition.device, hp_partition.dtype
+                    )
+            torch_opt.state[hp_partition]["step"] = step.clone()
+            map_to_flat_opt_states(
+                hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS
+            )
+        zero._hp_optimizer_states_linked = True
 
     def load_fp32_masters(
         self, accelerator: Accelerator, module: torch.nn.Module, weights: dict
     ) -> None:
-        load_fp32_masters(module, weights)
+        """Set the fp32 master copies exactly (the module was loaded from the same weights,
+        but a bf16 module would have rounded them)."""
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        for name, param in module.named_parameters():
+            if hasattr(param, "_hp_mapping"):
+                safe_set_full_fp32_param(param, weights[name].to(param.device))
 
     def own_shards(
         self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
     ) -> dict[str, Any]:
-        return own_shards(accelerator, module, optimizer)
+        """This rank's part of the training state by key (:mod:`dpkit.core.shards`):
+        its fragment of each partitioned parameter's fp32 master and Adam moments (where the
+        parameter falls in its partition), an even share of the frozen ones, no gather."""
+        from dpkit.core import shards
+
+        zero = zero_optimizer(optimizer)
+        partitioned = _partitioned(zero)
+        linked = getattr(zero, "_hp_optimizer_states_linked", False)
+        if linked:
+            _relink_moments(zero, inner_torch_optimizer(optimizer))
+        state = shards.replicated_state(
+            module,
+            optimizer,
+            accelerator.process_index,
+            accelerator.num_processes,
+            skip=set(partitioned),
+        )
+        for name, param in module.named_parameters():
+            mapping = getattr(param, "_hp_mapping", None) if id(param) in partitioned else None
+            if mapping is None:  # not partitioned, or no fragment of it on this rank
+                continue
+            address = mapping.lp_fragment_address
+            state[shards.weight_key(name)] = shards.FlatShard(
+                param.numel(), address.start, mapping.hp_fragment.detach()
+            )
+            for moment in ADAM_MOMENTS if linked else ():
+                state[shards.moment_key(name, moment)] = shards.FlatShard(
+                    param.numel(), address.start, mapping.optim_fragment[moment].detach()
+                )
+        return state
 
     def load_own_shards(
         self,
@@ -292,4 +217,49 @@ class DeepSpeedCheckpoints(CheckpointIO):
         *,
         with_moments: bool,
     ) -> None:
-        load_own_shards(accelerator, module, optimizer, read, step, with_moments=with_moments)
+        """Read this rank's fragments of the fp32 masters and moments (and the frozen weights
+        whole) from a sharded checkpoint of any layout, then let DeepSpeed copy the masters
+        into the module's weights on every rank and assemble its flat optimizer state."""
+        from deepspeed.utils.tensor_fragment import map_to_flat_opt_states
+
+        from dpkit.core import shards
+
+        zero = zero_optimizer(optimizer)
+        torch_opt = inner_torch_optimizer(optimizer)
+        partitioned = _partitioned(zero)
+        targets = shards.replicated_targets(
+            module, optimizer, step, with_moments=False, skip=set(partitioned)
+        )
+        moments: dict[int, dict[str, torch.Tensor]] = {}
+        for name, param in module.named_parameters():
+            mapping = getattr(param, "_hp_mapping", None) if id(param) in partitioned else None
+            if mapping is None:
+                continue
+            address = mapping.lp_fragment_address
+            targets.shards[shards.weight_key(name)] = shards.FlatShard(
+                param.numel(), address.start, mapping.hp_fragment.data
+            )
+            if with_moments:
+                moments[id(param)] = {
+                    moment: torch.empty_like(mapping.hp_fragment.data) for moment in ADAM_MOMENTS
+                }
+                for moment, local in moments[id(param)].items():
+                    targets.shards[shards.moment_key(name, moment)] = shards.FlatShard(
+                        param.numel(), address.start, local
+                    )
+        read(targets.shards)
+        targets.finish()
+        zero.update_lp_params()  # the module's weights from the masters just read (a collective)
+        if not with_moments:
+            return
+        for i, hp_partition in enumerate(zero.single_partition_of_fp32_groups):
+            for lp in zero.bit16_groups[i]:
+                mapping = lp._hp_mapping
+                if mapping is None:
+                    continue
+                mapping.optim_fragment = moments[id(lp)]
+            torch_opt.state[hp_partition]["step"] = step.clone()
+            map_to_flat_opt_states(
+                hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS
+            )
+        zero._hp_optimizer_states_linked = True

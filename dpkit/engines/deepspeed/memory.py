@@ -147,116 +147,6 @@ def _claim_partition_grads(
         grads[name] = grads.get(name, 0.0) + outside
 
 
-def walk(ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """DeepSpeed ZeRO stage 1/2: the partitions and buffers inside ``DeepSpeedZeroOptimizer``
-    (a model that DeepSpeed does not drive, under a ZeRO strategy, walks as plain torch)."""
-    zero = zero_optimizer(optimizer)
-    if zero is None:
-        zero = zero_optimizer(getattr(model, "optimizer", None))
-    if zero is None:
-        from dpkit.engines.ddp import memory as plain
-
-        return plain.walk(ledger, model, optimizer)
-    module = unwrap_module(model)
-    fp32_partitions = list(getattr(zero, "single_partition_of_fp32_groups", []))
-    # 1. The fp32 master partition the inner optimizer updates (Psi/N per rank).
-    ledger.claim_all(fp32_partitions, "master", "zero_fp32_partition")
-    # 2. The flat buffer the module's parameters are views of (all Psi, padded).
-    ledger.claim_all(getattr(zero, "bit16_groups_flat", []), "params", "zero_flat_params")
-    ledger.claim_all(module.parameters(), "params", "module parameters outside ZeRO groups")
-    # 3. Optimizer state on the fp32 partition.
-    claim_optimizer_state(ledger, getattr(zero, "optimizer", None))
-    # 4. Gradients ZeRO keeps on purpose: the reduced partition (during backward, in
-    # grads_in_partition / averaged_gradients; during the step, as the master's .grad).
-    for partition in fp32_partitions:
-        grad = partition.grad
-        if isinstance(grad, torch.Tensor):
-            # Flattening a single gradient returns a view, not a copy: a partition that lies
-            # inside one parameter keeps that parameter's whole gradient alive through the step.
-            whole = grad.untyped_storage().nbytes() > grad.numel() * grad.element_size()
-            suffix = " (a view: keeps a whole parameter's gradient alive)" if whole else ""
-            ledger.claim(grad, "grads", "zero_fp32_partition.grad" + suffix)
-    extras = straddle_extras(zero, module)
-    groups = list(getattr(zero, "params_in_partition", []))
-    in_partition = {id(p) for params in groups for p in params}
-    # grads_in_partition (contiguous_gradients) holds all groups' partition parameters,
-    # whole; it is dropped at the end of backward, and averaged_gradients (its views, or
-    # without contiguous_gradients views of the parameters' own gradients) keeps it alive
-    # until the step.
-    all_partition_params = [p for params in groups for p in params]
-    partition_buffer = getattr(zero, "grads_in_partition", None)
-    _claim_partition_grads(
-        ledger, [partition_buffer], "grads_in_partition", all_partition_params, extras
-    )
-    averaged = getattr(zero, "averaged_gradients", None) or {}
-    # With contiguous_gradients every group's averaged_gradients are views into the one
-    # buffer of all groups: claiming any of them claims the whole buffer, so the part
-    # outside the partition is named from every group's cut parameters.
-    shared_buffer = bool(getattr(zero, "contiguous_gradients", False))
-    for group, value in averaged.items() if isinstance(averaged, dict) else []:
-        params = (
-            all_partition_params
-            if shared_buffer
-            else (groups[group] if group < len(groups) else [])
-        )
-        _claim_partition_grads(ledger, zero_tensors_in(value), "averaged_gradients", params, extras)
-    ledger.claim_all(
-        zero_tensors_in(getattr(zero, "all_grad_tensors", None)), "grads", "all_grad_tensors"
-    )
-    # 5. Reduction buckets: the contiguous ipg buffer(s), one per comm dtype (two with overlap_comm).
-    for bucket in getattr(zero, "ipg_buckets", {}).values():
-        ledger.claim_all(getattr(bucket, "buffer", []), "buffers", "zero_ipg_bucket")
-    # 6. What param.grad still points at. A view into a larger storage not claimed above
-    # is a stale view into an ipg buffer that DeepSpeed already dropped: the view keeps
-    # the whole bucket alive until the step frees the .grad fields. A gradient with a
-    # storage of its own is either a reduced one of this rank's partition (ZeRO-2
-    # without contiguous_gradients keeps them so) or one not reduced yet: all of them in
-    # ZeRO-1 before its post-backward reduction, in ZeRO-2 those waiting in a bucket or
-    # larger than reduce_bucket_size (reduced alone, after backward).
-    param_ids = getattr(zero, "param_id", {})
-    reduced_flags = getattr(zero, "params_already_reduced", [])
-    unreduced: list[tuple[str, torch.Tensor]] = []
-    for name, param in module.named_parameters():
-        for grad in (param.grad, getattr(param, "grad_accum", None)):
-            if not isinstance(grad, torch.Tensor) or ledger.owner(grad) is not None:
-                continue
-            if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
-                ledger.claim(grad, "buffers", "zero_ipg_bucket (kept alive by param.grad views)")
-                continue
-            index = param_ids.get(id(param))
-            reduced = index is not None and index < len(reduced_flags) and reduced_flags[index]
-            if reduced and id(param) in in_partition:
-                _claim_partition_grads(ledger, [grad], "param.grad", [param], extras)
-            else:
-                unreduced.append((name, grad))
-    if unreduced:
-        names = [n for n, _ in unreduced]
-        listed = ", ".join(names) if len(names) <= 3 else f"{len(names)} params"
-        ledger.claim_all((g for _, g in unreduced), "grads", f"param.grad (unreduced: {listed})")
-    # 7. Offload staging buffers and other per-optimizer scratch space.
-    for name in (
-        "temp_grad_buffer_for_cpu_offload",
-        "temp_grad_buffer_for_gpu_offload",
-        "param_buffer_of_bit16_for_cpu_offload_groups",
-        "_muon_allgather_buffers",
-        "accumulated_grads_in_cpu",
-    ):
-        ledger.claim_all(
-            zero_tensors_in(getattr(zero, name, None)), "buffers", f"zero_{name.strip('_')}"
-        )
-    claim_module_buffers(ledger, module)
-    return {"kind": "zero", "stage": 2 if getattr(zero, "partition_gradients", False) else 1}
-
-
-def settings_in_effect(optimizer: Any) -> dict[str, Any]:
-    """The ZeRO optimizer's memory settings as it runs with them."""
-    zero = zero_optimizer(optimizer)
-    if zero is None:
-        return {}
-    names = (*ZERO_MEMORY_KEYS, "partition_gradients", "cpu_offload")
-    return {f"zero.{n}": getattr(zero, n) for n in names if hasattr(zero, n)}
-
-
 class ZeroProbes:
     """The points of a ZeRO step where DeepSpeed holds gradients the optimizer's own
     hooks do not see, probed through a :class:`~dpkit.memory.probes.StepProbes`.
@@ -397,23 +287,122 @@ class ZeroProbes:
         return probed
 
 
-def install_probes(probes: StepProbesView, optimizer: Any) -> None:
-    """:class:`ZeroProbes` on the run's ZeRO optimizer (none without one)."""
-    zero = zero_optimizer(optimizer)
-    if zero is not None:
-        ZeroProbes(probes, zero)
-
-
 class DeepSpeedMemory(MeasuredMemory):
     """DeepSpeed ZeRO's measured memory: its 16-bit and fp32 partitions, flat buffers and buckets, read from the ZeRO optimizer, and the points of its step it is probed at."""
 
     def walk(self, ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-        return walk(ledger, model, optimizer)
+        """DeepSpeed ZeRO stage 1/2: the partitions and buffers inside ``DeepSpeedZeroOptimizer``
+        (a model that DeepSpeed does not drive, under a ZeRO strategy, walks as plain torch)."""
+        zero = zero_optimizer(optimizer)
+        if zero is None:
+            zero = zero_optimizer(getattr(model, "optimizer", None))
+        if zero is None:
+            from dpkit.engines.ddp.memory import DDPMemory
+
+            return DDPMemory().walk(ledger, model, optimizer)
+        module = unwrap_module(model)
+        fp32_partitions = list(getattr(zero, "single_partition_of_fp32_groups", []))
+        # 1. The fp32 master partition the inner optimizer updates (Psi/N per rank).
+        ledger.claim_all(fp32_partitions, "master", "zero_fp32_partition")
+        # 2. The flat buffer the module's parameters are views of (all Psi, padded).
+        ledger.claim_all(getattr(zero, "bit16_groups_flat", []), "params", "zero_flat_params")
+        ledger.claim_all(module.parameters(), "params", "module parameters outside ZeRO groups")
+        # 3. Optimizer state on the fp32 partition.
+        claim_optimizer_state(ledger, getattr(zero, "optimizer", None))
+        # 4. Gradients ZeRO keeps on purpose: the reduced partition (during backward, in
+        # grads_in_partition / averaged_gradients; during the step, as the master's .grad).
+        for partition in fp32_partitions:
+            grad = partition.grad
+            if isinstance(grad, torch.Tensor):
+                # Flattening a single gradient returns a view, not a copy: a partition that lies
+                # inside one parameter keeps that parameter's whole gradient alive through the step.
+                whole = grad.untyped_storage().nbytes() > grad.numel() * grad.element_size()
+                suffix = " (a view: keeps a whole parameter's gradient alive)" if whole else ""
+                ledger.claim(grad, "grads", "zero_fp32_partition.grad" + suffix)
+        extras = straddle_extras(zero, module)
+        groups = list(getattr(zero, "params_in_partition", []))
+        in_partition = {id(p) for params in groups for p in params}
+        # grads_in_partition (contiguous_gradients) holds all groups' partition parameters,
+        # whole; it is dropped at the end of backward, and averaged_gradients (its views, or
+        # without contiguous_gradients views of the parameters' own gradients) keeps it alive
+        # until the step.
+        all_partition_params = [p for params in groups for p in params]
+        partition_buffer = getattr(zero, "grads_in_partition", None)
+        _claim_partition_grads(
+            ledger, [partition_buffer], "grads_in_partition", all_partition_params, extras
+        )
+        averaged = getattr(zero, "averaged_gradients", None) or {}
+        # With contiguous_gradients every group's averaged_gradients are views into the one
+        # buffer of all groups: claiming any of them claims the whole buffer, so the part
+        # outside the partition is named from every group's cut parameters.
+        shared_buffer = bool(getattr(zero, "contiguous_gradients", False))
+        for group, value in averaged.items() if isinstance(averaged, dict) else []:
+            params = (
+                all_partition_params
+                if shared_buffer
+                else (groups[group] if group < len(groups) else [])
+            )
+            _claim_partition_grads(
+                ledger, zero_tensors_in(value), "averaged_gradients", params, extras
+            )
+        ledger.claim_all(
+            zero_tensors_in(getattr(zero, "all_grad_tensors", None)), "grads", "all_grad_tensors"
+        )
+        # 5. Reduction buckets: the contiguous ipg buffer(s), one per comm dtype (two with overlap_comm).
+        for bucket in getattr(zero, "ipg_buckets", {}).values():
+            ledger.claim_all(getattr(bucket, "buffer", []), "buffers", "zero_ipg_bucket")
+        # 6. What param.grad still points at. A view into a larger storage not claimed above
+        # is a stale view into an ipg buffer that DeepSpeed already dropped: the view keeps
+        # the whole bucket alive until the step frees the .grad fields. A gradient with a
+        # storage of its own is either a reduced one of this rank's partition (ZeRO-2
+        # without contiguous_gradients keeps them so) or one not reduced yet: all of them in
+        # ZeRO-1 before its post-backward reduction, in ZeRO-2 those waiting in a bucket or
+        # larger than reduce_bucket_size (reduced alone, after backward).
+        param_ids = getattr(zero, "param_id", {})
+        reduced_flags = getattr(zero, "params_already_reduced", [])
+        unreduced: list[tuple[str, torch.Tensor]] = []
+        for name, param in module.named_parameters():
+            for grad in (param.grad, getattr(param, "grad_accum", None)):
+                if not isinstance(grad, torch.Tensor) or ledger.owner(grad) is not None:
+                    continue
+                if grad.untyped_storage().nbytes() > grad.numel() * grad.element_size():
+                    ledger.claim(
+                        grad, "buffers", "zero_ipg_bucket (kept alive by param.grad views)"
+                    )
+                    continue
+                index = param_ids.get(id(param))
+                reduced = index is not None and index < len(reduced_flags) and reduced_flags[index]
+                if reduced and id(param) in in_partition:
+                    _claim_partition_grads(ledger, [grad], "param.grad", [param], extras)
+                else:
+                    unreduced.append((name, grad))
+        if unreduced:
+            names = [n for n, _ in unreduced]
+            listed = ", ".join(names) if len(names) <= 3 else f"{len(names)} params"
+            ledger.claim_all(
+                (g for _, g in unreduced), "grads", f"param.grad (unreduced: {listed})"
+            )
+        # 7. Offload staging buffers and other per-optimizer scratch space.
+        for name in (
+            "temp_grad_buffer_for_cpu_offload",
+            "temp_grad_buffer_for_gpu_offload",
+            "param_buffer_of_bit16_for_cpu_offload_groups",
+            "_muon_allgather_buffers",
+            "accumulated_grads_in_cpu",
+        ):
+            ledger.claim_all(
+                zero_tensors_in(getattr(zero, name, None)), "buffers", f"zero_{name.strip('_')}"
+            )
+        claim_module_buffers(ledger, module)
+        return {"kind": "zero", "stage": 2 if getattr(zero, "partition_gradients", False) else 1}
 
     def install_probes(
         self, probes: StepProbesView, model: torch.nn.Module, optimizer: Any
     ) -> None:
-        install_probes(probes, optimizer)
+        """:class:`ZeroProbes` on the run's ZeRO optimizer (none without one)."""
+        zero = zero_optimizer(optimizer)
+        if zero is not None:
+            ZeroProbes(probes, zero)
 
     def precision_in_effect(self, optimizer: Any) -> str | None:
         import torch
@@ -431,7 +420,12 @@ class DeepSpeedMemory(MeasuredMemory):
         return [list(group) for group in getattr(zero, "bit16_groups", [])]
 
     def settings_in_effect(self, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-        return settings_in_effect(optimizer)
+        """The ZeRO optimizer's memory settings as it runs with them."""
+        zero = zero_optimizer(optimizer)
+        if zero is None:
+            return {}
+        names = (*ZERO_MEMORY_KEYS, "partition_gradients", "cpu_offload")
+        return {f"zero.{n}": getattr(zero, n) for n in names if hasattr(zero, n)}
 
     def report_notes(self, strategy: Strategy, model: torch.nn.Module, optimizer: Any) -> list[str]:
         if zero_optimizer(optimizer) is not None:

@@ -47,35 +47,6 @@ def fsdp2_params(model: torch.nn.Module, recurse: bool = True) -> list[Any]:
     return records
 
 
-def walk(ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-    """The shards as model states; the whole parameters and gradients as buffers (a
-    model FSDP2 does not shard walks as plain torch)."""
-    records = fsdp2_params(model)
-    if not records:
-        from dpkit.engines.ddp import memory as plain
-
-        return plain.walk(ledger, model, optimizer)
-    shards = [getattr(r, "sharded_param", None) for r in records]
-    ledger.claim_all(shards, "params", "parameter shards")
-    for record in records:
-        ledger.claim_all(
-            getattr(record, "all_gather_outputs", None) or [],
-            "buffers",
-            "whole parameters (FSDP2 all-gather output)",
-        )
-    torch_opt = inner_torch_optimizer(optimizer)
-    claim_optimizer_state(ledger, torch_opt)
-    ledger.claim_all((getattr(p, "grad", None) for p in shards), "grads", "gradient shards")
-    whole = (getattr(r, "_unsharded_param", None) for r in records)
-    ledger.claim_all(
-        (getattr(p, "grad", None) for p in whole),
-        "buffers",
-        "whole gradients (FSDP2 reduce-scatter input)",
-    )
-    claim_module_buffers(ledger, model)
-    return {"kind": "fsdp2"}
-
-
 def whole_param_keys(unit: torch.nn.Module) -> set[tuple[str, int, int]]:
     """Storages of the whole parameters an FSDP2 unit holds now (its all-gather output)."""
     return {
@@ -111,7 +82,32 @@ class FSDP2Memory(MeasuredMemory):
     """FSDP2's measured memory: each parameter's local shard, its gradient and optimizer state, and the whole parameters a unit holds while it computes."""
 
     def walk(self, ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
-        return walk(ledger, model, optimizer)
+        """The shards as model states; the whole parameters and gradients as buffers (a
+        model FSDP2 does not shard walks as plain torch)."""
+        records = fsdp2_params(model)
+        if not records:
+            from dpkit.engines.ddp.memory import DDPMemory
+
+            return DDPMemory().walk(ledger, model, optimizer)
+        shards = [getattr(r, "sharded_param", None) for r in records]
+        ledger.claim_all(shards, "params", "parameter shards")
+        for record in records:
+            ledger.claim_all(
+                getattr(record, "all_gather_outputs", None) or [],
+                "buffers",
+                "whole parameters (FSDP2 all-gather output)",
+            )
+        torch_opt = inner_torch_optimizer(optimizer)
+        claim_optimizer_state(ledger, torch_opt)
+        ledger.claim_all((getattr(p, "grad", None) for p in shards), "grads", "gradient shards")
+        whole = (getattr(r, "_unsharded_param", None) for r in records)
+        ledger.claim_all(
+            (getattr(p, "grad", None) for p in whole),
+            "buffers",
+            "whole gradients (FSDP2 reduce-scatter input)",
+        )
+        claim_module_buffers(ledger, model)
+        return {"kind": "fsdp2"}
 
     def install_probes(
         self, probes: StepProbesView, model: torch.nn.Module, optimizer: Any
