@@ -92,9 +92,16 @@ format: setup
 clean:
 	rm -rf $(VENV) runs .pytest_cache
 
-# The GPU check (a machine with CUDA; under 10 minutes on one GPU): finetune.py as DDP and
-# ZeRO-2 in bf16 (memory report against the prediction and `dpkit plan --against`),
-# pytest -m gpu, train_lm.py's tokens/s and MFU; every figure asserted, one line per failure,
-# runs/gpu-check/results.json. Without CUDA: one line and exit code 2 (dpkit/bench/gpu_check.py).
+# The GPU check (a machine with CUDA), plain pytest: the `gpu` tests (tests/test_gpu_runs.py:
+# finetune.py as DDP and ZeRO-2 in bf16, memory report against the prediction and `dpkit plan
+# --against`; train_lm.py's tokens/s and MFU; tests/test_memory.py's CUDA report), each launch
+# once, every figure asserted (a failure names figure, value, bound). At most 150 s a test (a
+# launch counts in the first test that needs it), none started after 390 s: under 9 minutes in
+# all. Runs, logs and junit.xml (the figures) in runs/gpu-check. Without CUDA: one line and
+# exit code 2 before pytest (dpkit/bench/gpu_check.py).
+GPU_TEST_TIMEOUT_S := 150
+GPU_SESSION_TIMEOUT_S := 390
 gpu-check: setup
-	$(PY) -m dpkit.bench.gpu_check --output-dir runs/gpu-check
+	$(PY) -m dpkit.bench.gpu_check
+	$(PY) -m pytest -m gpu -ra --timeout $(GPU_TEST_TIMEOUT_S) --session-timeout $(GPU_SESSION_TIMEOUT_S) \
+		--basetemp runs/gpu-check --junitxml runs/gpu-check/junit.xml tests
