@@ -24,7 +24,9 @@ def _refused(capsys, **keywords) -> str:
 
 def test_a_misspelled_option_is_one_line_with_the_closest(capsys):
     line = _refused(capsys, micro_batch_size=2, keep_lst=3)
-    assert line.endswith("setup(keep_lst=...): not an option of dpkit.setup; did you mean keep_last?")
+    assert line.endswith(
+        "setup(keep_lst=...): not an option of dpkit.setup; did you mean keep_last?"
+    )
 
 
 def test_options_and_keywords_together_are_refused(capsys):
