@@ -259,10 +259,8 @@ def test_cpu_offload_is_recorded_where_the_run_says_what_it_is():
             {"ACCELERATE_GRADIENT_CLIPPING": "0.5"},
             "accelerate config gradient_clipping=0.5 disagrees with the run's 1",
         ),
-        (
-            {"ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "cpu"},
-            "accelerate config offload_optimizer_device=cpu: dpkit does not set up offload",
-        ),
+        # Offload in accelerate's settings is the DeepSpeed engine's to refuse:
+        # tests/test_resolve_launch.py checks it, alone and through resolve().
     ],
 )
 def test_accelerate_settings_that_would_be_dropped_are_refused(env, message):
