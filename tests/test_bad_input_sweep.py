@@ -14,12 +14,21 @@ repeated here (test_bad_input.py, test_plan_check.py, test_tune_decide.py).
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
 from dpkit.cli import main
-from tests.harness import assert_refused
+from dpkit.errors import UsageError
+from dpkit.train.guards import print_usage_error
+from tests.harness import (
+    ELASTIC_TRACEBACK,
+    accelerate_cmd,
+    assert_refused,
+    run,
+    torchrun_cmd,
+)
 
 # (id, argv, what the one line must contain). Messages are the lines a user sees,
 # written out; the folder holds: afile (a file), saved/ (an earlier export), ckpt/ (an
@@ -91,6 +100,23 @@ CLI_CASES = [
         "plan-against-a-folder-without-report",
         ["plan", "--against", "ckpt"],
         "--against='ckpt': no memory_report.json",
+    ),
+    (
+        "plan-no-model",
+        ["plan"],
+        "dpkit plan: error: --model / --params: neither given; give --model NAME_OR_FOLDER "
+        "(gpt2, minilm, a Hub name, a folder) or --params N (e.g. 1.5B)",
+    ),
+    (
+        "plan-against-a-file",
+        ["plan", "--against", "afile"],
+        "--against='afile': a file, not a run folder; give the run's output folder "
+        "(the one holding memory_report.json)",
+    ),
+    (
+        "plan-against-a-json-file",
+        ["plan", "--against", "saved/zero1.json"],
+        "--against='saved/zero1.json': a file, not a run folder",
     ),
     (
         "tune-micro-batch-list",
@@ -175,6 +201,28 @@ CLI_CASES = [
         "consolidate-not-a-checkpoint",
         ["consolidate", "ckpt", "--output-dir", "out"],
         "checkpoint='ckpt': neither a dpkit checkpoint (manifest.json) nor a DeepSpeed one",
+    ),
+    (
+        "plan-unknown-task",
+        ["plan", "--model", "minilm", "--task", "seq2seq"],
+        "--task='seq2seq': not one of auto, causal_lm, classification",
+    ),
+    (
+        "plan-zero-labels",
+        ["plan", "--model", "minilm", "--task", "classification", "--num-labels", "0"],
+        "--num-labels='0': must be positive",
+    ),
+    (
+        "plan-labels-for-an-lm",
+        ["plan", "--model", "gpt2", "--num-labels", "3"],
+        "--num-labels=3: the plan is for a causal LM (--task auto: the config names "
+        "GPT2LMHeadModel); --num-labels needs --task classification",
+    ),
+    (
+        "plan-task-of-a-bare-count",
+        ["plan", "--params", "1B", "--task", "classification"],
+        "--task='classification': needs --model (the head's shapes come from its config), "
+        "not a bare --params",
     ),
 ]
 
@@ -287,3 +335,82 @@ def test_resuming_a_run_without_checkpoints_keeps_the_run(tmp_path, warm_recipe)
     result = warm_recipe.run(*ARGS, "--resume", "latest", "--output-dir", str(previous))
     assert_refused(result, "--resume=latest: no checkpoint under", None, exit_code=2)
     assert _snapshot(previous) == before
+
+
+# Under the launchers users type, two processes each: torchrun, and accelerate launch
+# (whose several-process launch is torch elastic too). A few cases per launcher: each
+# costs a launch (about 10 s for torchrun, 20 s for accelerate on 2 CPU cores).
+WARMUP_RATIO = (
+    "warmup-ratio-out-of-range",
+    lambda t: ["--warmup-ratio", "1.5"],
+    "--warmup-ratio=1.5: must be in [0, 1)",
+)
+LAUNCHED_CASES = [
+    ("torchrun", *WARMUP_RATIO),
+    ("torchrun", *RECIPE_CASES[3]),  # --resume of a checkpoint that is not there
+    ("accelerate", *WARMUP_RATIO),
+    ("accelerate", *RECIPE_CASES[0]),  # --deepspeed naming a JSON that is not there
+]
+
+
+def _launched(launcher: str, args: list[str]) -> list[str]:
+    if launcher == "torchrun":
+        return torchrun_cmd(2, *args)
+    return accelerate_cmd(
+        ["--config_file", "ds_configs/accelerate/ddp.yaml", "--num_processes", "2"], *args
+    )
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("launcher", "make_args", "message"),
+    [pytest.param(launcher, a, m, id=f"{launcher}-{i}") for launcher, i, a, m in LAUNCHED_CASES],
+)
+def test_under_a_launcher_the_refusal_is_the_root_cause_and_the_last_line(
+    launcher, make_args, message, tmp_path
+):
+    """torch elastic answers a failed worker with its own traceback and a report; the
+    refusal is that report's root cause (read from the worker's error file), shown once,
+    and nothing follows it but the report's closing rule. The launcher exits 1; the
+    refusing rank's 2 is in the report."""
+    out = tmp_path / "run"
+    result = run(_launched(launcher, [*ARGS, *make_args(tmp_path), "--output-dir", str(out)]))
+    assert_refused(result, message, out, exit_code=1)
+    root_cause = result.output.split("Root Cause (first observed failure):")[-1]
+    assert "exitcode  : 2" in root_cause, result.output[-3000:]
+    shown = [line for line in result.output.splitlines() if line.strip("= ")]
+    assert shown[-1].startswith(ELASTIC_TRACEBACK + "finetune.py: error: "), shown[-12:]
+    assert message in shown[-1], shown[-1]
+
+
+@pytest.mark.parametrize("error_file_env", [None, ""], ids=["no-launcher", "log-dir-off"])
+def test_without_torch_elastic_the_refusal_is_printed(
+    error_file_env, tmp_path, monkeypatch, capsys
+):
+    """python, deepspeed and accelerate's one-process launch set no error file; torch
+    elastic sets it empty when its log folder is off. The line goes to stderr."""
+    if error_file_env is None:
+        monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    else:
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", error_file_env)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["recipes/finetune.py", "--warmup-ratio", "1.5"])
+    print_usage_error(UsageError("--warmup-ratio=1.5: must be in [0, 1)"))
+    assert capsys.readouterr().err == "finetune.py: error: --warmup-ratio=1.5: must be in [0, 1)\n"
+
+
+def test_under_torch_elastic_the_refusal_is_the_error_file_the_launcher_reads(
+    tmp_path, monkeypatch, capsys
+):
+    """Rank 0's line goes to the worker's error file, read back by torch's own reader (the
+    one torchrun's report uses), and is not printed as well: it appears once."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(sys, "argv", ["recipes/finetune.py", "--warmup-ratio", "1.5"])
+    print_usage_error(UsageError("--warmup-ratio=1.5: must be in [0, 1)"))
+    assert capsys.readouterr().err == ""
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    assert failure.message == "finetune.py: error: --warmup-ratio=1.5: must be in [0, 1)"

@@ -73,6 +73,10 @@ def test_trains_evaluates_and_exports_a_model_that_reloads(launched, kind, strat
     result = launched(kind, strategy).check()
     info = result.run_info
     assert (info["strategy"], info["world_size"]) == (strategy, 2)
+    # Which label each class id is: said once for the job and kept in the run's files
+    # (sorted names: "fresh" before "rotten").
+    assert info["labels"] == {"0": "fresh", "1": "rotten"}
+    assert result.output.count("labels: 2 classes: 0=fresh, 1=rotten") == 1, result.output[-3000:]
     assert info["wrapper"] == (
         "DistributedDataParallel" if strategy == "ddp" else "DeepSpeedEngine+DeepSpeedZeroOptimizer"
     )
@@ -123,7 +127,15 @@ def test_ddp_and_zero2_train_the_same_losses(launched, kind):
 def test_plan_reads_the_checkpoints_config(checkpoints, kind):
     folders, _ = checkpoints
     done = subprocess.run(
-        [str(BIN / "dpkit"), "plan", "--model", str(folders[kind]), "--json"],
+        [
+            str(BIN / "dpkit"),
+            "plan",
+            "--model",
+            str(folders[kind]),
+            "--task",
+            "causal_lm",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -132,7 +144,8 @@ def test_plan_reads_the_checkpoints_config(checkpoints, kind):
     plan = json.loads(done.stdout)
     assert plan["model"]["source"] == "path"
     assert plan["recommendation"]["strategy"] == "ddp"  # tiny: everything fits
-    # The plan counts the model it builds from the config: the causal LM where there is one.
+    # The plan counts the model it builds from the config: the causal LM where there is one
+    # (--task causal_lm: auto would give the bare RobertaModel folder a classifier's head).
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 

@@ -17,7 +17,7 @@ import pytest
 
 from dpkit.config_files import find_config, launcher_yaml
 from dpkit.errors import UsageError
-from tests.harness import REPO, assert_refused, launch_env
+from tests.harness import REPO, assert_refused, error_lines, launch_env
 
 # What accelerate launch leaves in the environment for a DeepSpeed YAML (accelerate 1.15,
 # utils/launch.py): the YAML's deepspeed_config_file as written, and its launch marker.
@@ -142,7 +142,7 @@ def test_a_yaml_naming_a_missing_json_is_one_line_naming_the_yaml(tmp_path):
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode != 0, output[-3000:]
-    errors = [line for line in output.splitlines() if "own.py: error:" in line]
+    errors = error_lines(output, "own.py")
     assert errors == [
         f"own.py: error: {cfg / 'run.yaml'} deepspeed_config_file='missing.json': no such file "
         f"in the current directory or {cfg}, and not one of dpkit's shipped configs "
@@ -203,7 +203,7 @@ def test_the_tune_winners_command_runs_without_the_virtualenv_on_path(tmp_path):
     )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode not in (0, 127), output[-3000:]
-    refusals = [line for line in output.splitlines() if "train_lm.py: error:" in line]
+    refusals = error_lines(output, "train_lm.py")
     assert refusals == ["train_lm.py: error: --no-such-flag: not a flag of this recipe"], output[
         -3000:
     ]

@@ -801,7 +801,7 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
         (["--params", "100B", "--gpus-per-node", "1", "--gpu-memory", "24GB"], "--params", "100B"),
         (["--model", "gpt2", "--micro-batch", "4096", "--gpu-memory", "24GB"], "--micro-batch", "4096"),
         (["--model", "gpt2", "--seq-len", "2048"], "--seq-len", "2048"),
-        ([], "--model", "None"),
+        ([], "--model / --params", "give --model NAME_OR_FOLDER"),
         (["--against", "runs/no-such-run"], "--against", "runs/no-such-run"),
         (["--against", "ds_configs"], "--against", "no memory_report.json"),
         (["--against", "ds_configs", "--model", "gpt2"], "--against", "drop --model"),

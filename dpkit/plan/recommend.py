@@ -24,6 +24,7 @@ from dpkit.plan.estimate import (
     estimate,
     largest_micro_batch,
 )
+from dpkit.plan.inputs import PlannedTask
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,8 @@ class Plan:
     requested micro-batch."""
     reason: str
     """Why, in a sentence or two."""
+    task: PlannedTask | None = None
+    """The head the model was planned with and why (None: a bare ``--params`` count)."""
 
     def row(self, strategy: str | Strategy) -> StrategyEstimate:
         """The estimate of ``strategy`` (a Strategy or its name)."""
@@ -107,8 +110,9 @@ def _nothing_fits(inputs: PlanInputs, rows: list[StrategyEstimate]) -> UsageErro
     )
 
 
-def make_plan(inputs: PlanInputs) -> Plan:
-    """Estimate every strategy and pick the least sharding that fits.
+def make_plan(inputs: PlanInputs, task: PlannedTask | None = None) -> Plan:
+    """Estimate every strategy and pick the least sharding that fits; ``task``: how the
+    model's head was chosen, for the output (the model is already built with it).
 
     Raises UsageError when nothing fits at the requested micro-batch.
     """
@@ -145,4 +149,5 @@ def make_plan(inputs: PlanInputs) -> Plan:
         largest_micro_batches=largest,
         recommended=chosen.strategy,
         reason=_reason(tried, chosen, inputs),
+        task=task,
     )

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dpkit.checkpoints.folder import LrPlan
 from dpkit.errors import UsageError, check_field
 from dpkit.models import max_positions
 from dpkit.train.config import StrategyConfig, check_choice
@@ -386,6 +387,34 @@ class TrainConfig:
             micro_batches_per_epoch=steps_per_epoch * self.gradient_accumulation_steps,
             left_out_per_epoch=micro_batches - steps_per_epoch * self.gradient_accumulation_steps,
         )
+
+    def lr_plan(self, schedule: Schedule, peak_lr: float) -> LrPlan:
+        """The lr schedule this run plans: ``--lr-scheduler`` over ``schedule``'s steps and
+        warm-up, peaking at ``peak_lr`` (the run's lr, after ``--scale-lr``)."""
+        return LrPlan(self.lr_scheduler, peak_lr, schedule.warmup_steps, schedule.total_steps)
+
+    def check_resumed_schedule(self, resume: Any, schedule: Schedule, peak_lr: float) -> None:
+        """With ``--resume`` (a :class:`~dpkit.checkpoints.resume.Resume`), before any
+        process group: refuse a schedule that cannot continue the checkpoint's (another
+        ``--lr-scheduler`` or peak lr, fewer steps than it trained); another length or
+        warm-up is re-planned when the run restores it. Nothing to check with
+        ``--eval-only`` (nothing trains) or without a resume."""
+        if resume is None or self.eval_only:
+            return
+        length = (
+            f"--max-steps={self.max_steps}"
+            if self.max_steps > 0
+            else f"--num-epochs={self.num_epochs} ({schedule.total_steps} steps)"
+        )
+        learning_rate = f"--learning-rate={self.learning_rate:g}"
+        if self.scale_lr != "none":
+            learning_rate += f" with --scale-lr={self.scale_lr}"
+        flags = {
+            "total_steps": length,
+            "scheduler": f"--lr-scheduler={self.lr_scheduler}",
+            "peak_lr": learning_rate,
+        }
+        resume.check_schedule(self.lr_plan(schedule, peak_lr), flags)
 
     def _check_output_dir(self) -> None:
         out = Path(self.output_dir)

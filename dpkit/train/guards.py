@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
 import logging
 import math
 import os
@@ -267,18 +268,43 @@ def exit_process(code: int) -> NoReturn:
     os._exit(code)
 
 
+def say_last(line: str) -> None:
+    """Put the line that ends this rank where the user reads it last, once.
+
+    Under torch elastic (``torchrun``, and ``accelerate launch`` on several processes or
+    with DeepSpeed), the launcher answers a failed worker with its own traceback and a
+    report whose "Root Cause" is read from the worker's error file (the path in
+    ``TORCHELASTIC_ERROR_FILE``; torch.distributed.elastic.multiprocessing.errors), or
+    says only "exitcode: 2 ... To enable traceback see ..." without one. Written there,
+    the line is that root cause: the last thing on screen, and shown once (printed too,
+    it would appear a second time, above the launcher's traceback). Elsewhere
+    (``python``, ``deepspeed``, accelerate's one-process launcher) it goes to stderr.
+    """
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE", "")
+    if error_file:
+        # The format torch's ProcessFailure reads: a plain message and its time (the
+        # launcher names the earliest failure as the root cause).
+        record = {"message": line, "timestamp": int(time.time())}
+        try:
+            Path(error_file).write_text(json.dumps(record))
+            return
+        except OSError:
+            pass  # the launcher would show the exit code only: print it instead
+    print(line, file=sys.stderr, flush=True)
+
+
 def print_usage_error(err: UsageError) -> None:
-    """Bad input as one line on stderr naming the program: once for the job, by rank 0
-    (every rank meets the same input); another rank says it only if rank 0 did not
-    (an input only that rank sees) after a grace period."""
+    """Bad input as one line naming the program (:func:`say_last`): once for the job, by
+    rank 0 (every rank meets the same input); another rank says it only if rank 0 did
+    not (an input only that rank sees) after a grace period."""
     prog = Path(sys.argv[0]).name
     rank = os.environ.get("RANK", "0")
     if rank != "0":
         # Leaving first would let the launcher kill rank 0 before it could print.
         time.sleep(USAGE_ERROR_GRACE_S)
-        print(f"{prog}: error: rank {rank}: {err}", file=sys.stderr, flush=True)
+        say_last(f"{prog}: error: rank {rank}: {err}")
     else:
-        print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+        say_last(f"{prog}: error: {err}")
 
 
 @contextlib.contextmanager
@@ -317,12 +343,13 @@ def run_and_exit(main: Callable[[], None]) -> NoReturn:
         exit_process(EXIT_USAGE)
     except NonFiniteLossError as err:
         if rank == "0":
-            print(f"{prog}: error: {err}", file=sys.stderr, flush=True)
+            say_last(f"{prog}: error: {err}")
         exit_process(EXIT_NON_FINITE)
     except RuntimeError as err:
         line = collective_failure(err)
         if line is None:
             raise
+        # Printed, not the launcher's root cause: that is the rank that died or hung.
         print(f"{prog}: error: rank {rank}: {line}", file=sys.stderr, flush=True)
         exit_process(1)
     except Exception as err:  # a library's failure of the training itself (fp16's loss scale)
@@ -330,6 +357,6 @@ def run_and_exit(main: Callable[[], None]) -> NoReturn:
         if line is None:
             raise
         if rank == "0":  # every rank fails at the same step (DeepSpeed agrees on overflow)
-            print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
+            say_last(f"{prog}: error: {line}")
         exit_process(EXIT_NON_FINITE)
     exit_process(0)

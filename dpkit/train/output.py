@@ -4,6 +4,9 @@ Layout of ``<output_dir>``::
 
     run_config.json     every recipe argument and the launcher's environment
     run_info.json       what really ran (strategy, world size, backend, batch, precision)
+                        and what the script adds (recipes/finetune.py: ``schedule``, and
+                        ``labels``, the label each class id stands for, ``{"0": "neg",
+                        "1": "pos"}``, as the saved model's config.json ``id2label``)
     ds_config.json      the resolved DeepSpeed config (ZeRO runs)
     train_log.jsonl     one line per optimizer step: loss (mean over ranks), lr, grad norm;
                         ``skipped: true`` on a step whose update was skipped for a

@@ -139,6 +139,10 @@ class Run:
         self.checkpoints: Any = None
         """The run's :class:`~dpkit.checkpoints.checkpointer.Checkpointer`, from
         :meth:`prepare` on (when the run has an output folder)."""
+        self.lr_plan: Any = None
+        """The lr schedule :meth:`make_scheduler` planned
+        (:class:`~dpkit.checkpoints.folder.LrPlan`): recorded with each checkpoint,
+        continued by a resume; None before it, or for a backend config's own scheduler."""
         self.position: Any = None
         """Where training stands (:class:`~dpkit.checkpoints.checkpointer.Position`): a
         fresh start, or the resumed checkpoint's step, epoch and place in the epoch."""
@@ -228,15 +232,23 @@ class Run:
         return adamw(params, lr=lr, weight_decay=weight_decay)
 
     def make_scheduler(self, name: str, optimizer: Any, warmup_steps: int, total_steps: int) -> Any:
-        """transformers' ``get_scheduler``; a backend config with its own ``scheduler``
-        section gets accelerate's placeholder."""
+        """transformers' ``get_scheduler``, its plan kept in :attr:`lr_plan` (each
+        checkpoint records it; a resume continues this plan from the checkpoint's step,
+        :func:`~dpkit.checkpoints.resume.continue_schedule`); a backend config with its own
+        ``scheduler`` section gets accelerate's placeholder."""
         from accelerate.utils import DummyScheduler
         from transformers import get_scheduler
+
+        from dpkit.checkpoints.folder import LrPlan
 
         if self.engine.scheduler_in_config(self.resolution.settings):
             return DummyScheduler(
                 optimizer, total_num_steps=total_steps, warmup_num_steps=warmup_steps
             )
+        # The peak is the optimizer's lr as built: get_scheduler sets it to warm-up's first.
+        groups = getattr(optimizer, "param_groups", None)
+        peak_lr = float(groups[0]["lr"]) if groups else self.learning_rate
+        self.lr_plan = LrPlan(name, peak_lr, warmup_steps, total_steps)
         return get_scheduler(
             name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=total_steps
         )
@@ -275,6 +287,11 @@ class Run:
         scheduler = next((o for o in prepared if _is_scheduler(o)), None)
         self.info = self._check(model, optimizer)
         if self.output is not None:
+            from dpkit.checkpoints.resume import schedule_record
+
+            lr_schedule = schedule_record(self.lr_plan, self.resume)
+            if lr_schedule is not None:  # the plan, and what a resume did with it
+                run_info = {**run_info, "lr_schedule": lr_schedule}
             self.output.write_json("run_info.json", {**self.info.as_dict(), **run_info})
             config = self.backend_config
             if config is not None and self.engine.config_file:
