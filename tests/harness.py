@@ -183,12 +183,34 @@ def run(
     try:
         output, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_tree(proc.pid)
         output, _ = proc.communicate()
         raise AssertionError(
             f"timed out after {timeout} s: {' '.join(cmd)}\n{output[-4000:]}"
         ) from None
     return Launch(cmd, proc.returncode, output, output_dir)
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it.
+
+    Its process group is not enough: torch elastic starts each worker in a session of
+    its own, so a worker outlives the killed launcher, keeps the output pipe open and
+    ``communicate()`` waits on it for ever (seen in CI: two ranks blocked on a stale
+    DeepSpeed JIT lock, the test hung past its timeout). The descendants are listed
+    before anything is killed: once the launcher is gone they are init's children.
+    """
+    import psutil
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 def python_cmd(*args: str, recipe: str = RECIPE) -> list[str]:
