@@ -37,6 +37,9 @@ _EXPORTS: dict[str, str] = {
     "ModelConfig": "dpkit.train.finetune_config",
     "DataConfig": "dpkit.train.finetune_config",
     "TrainConfig": "dpkit.train.finetune_config",
+    "DecoderModelConfig": "dpkit.train.causal_config",
+    "CausalDataConfig": "dpkit.data.causal",
+    "CausalTrainConfig": "dpkit.train.causal_config",
     # errors and exits
     "UsageError": "dpkit.errors",
     "run_and_exit": "dpkit.train.guards",
@@ -45,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "TrainingLog": "dpkit.train.progress",
     "StepPhases": "dpkit.train.phases",
     "ClassifierMetrics": "dpkit.train.evaluation",
+    "CausalLMMetrics": "dpkit.train.evaluation",
     # checkpoints and reports
     "find_resume": "dpkit.checkpoints.resume",
     "check_init_from": "dpkit.checkpoints.warm_start",

@@ -369,6 +369,12 @@ def load_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
     The report is a warning of ``transformers.modeling_utils``, logged once per job: on
     the other ranks transformers' warnings are off (:func:`dpkit.train.logs.log_once_per_job`).
     """
+    import torch
+
+    # transformers 5 loads in the dtype the checkpoint declares ("auto"): a bfloat16 Llama
+    # would train bf16 weights under an fp32 AdamW. The weights train in fp32, as
+    # accelerate's mixed precision expects (--mixed-precision bf16 computes in bf16).
+    kwargs.setdefault("dtype", torch.float32)
     model_logger = logging.getLogger("transformers.modeling_utils")
     held = _HeldRecords()
     model_logger.addFilter(held)
@@ -398,15 +404,34 @@ def load_pretrained(model_class: Any, path: str, **kwargs: Any) -> Any:
     return model
 
 
-def meta_classifier(path: str, **kwargs: Any) -> Any:
-    """The sequence classifier ``from_pretrained(path, **kwargs)`` would load, on the meta
-    device (shapes and classes, no weights): what :func:`dpkit.setup` needs to resolve a
-    run before the weights are read."""
+def meta_pretrained(path: str, task: str = "sequence_classification", **kwargs: Any) -> Any:
+    """The model ``from_pretrained(path, **kwargs)`` would load for ``task``
+    (``sequence_classification`` or ``causal_lm``, as :func:`build_meta_model`), on the
+    meta device (shapes and classes, no weights): what :func:`dpkit.setup` needs to
+    resolve a run before the weights are read."""
     from transformers import AutoConfig
 
     with quiet_transformers():
         config = AutoConfig.from_pretrained(path, **kwargs)
-    return build_meta_model(config, task="sequence_classification")
+    return build_meta_model(config, task=task)
+
+
+def meta_classifier(path: str, **kwargs: Any) -> Any:
+    """The sequence classifier ``from_pretrained(path, **kwargs)`` would load, on the meta
+    device (:func:`meta_pretrained`)."""
+    return meta_pretrained(path, "sequence_classification", **kwargs)
+
+
+def check_causal_lm(model: str, config: Any) -> None:
+    """Refuse (one line) a model with no causal-LM class in transformers (an encoder such
+    as T5's or CLIP's), before any weights load."""
+    from transformers import AutoModelForCausalLM
+
+    if type(config) not in AutoModelForCausalLM._model_mapping:
+        raise UsageError(
+            f"--model={model!r}: a {type(config).__name__} has no causal-LM class in "
+            "transformers (AutoModelForCausalLM); give a decoder (Llama, Qwen, GPT-2, ...)"
+        )
 
 
 def build_meta_model(

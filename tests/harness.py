@@ -61,7 +61,11 @@ def error_lines(output: str, prog: str) -> list[str]:
 
 
 def assert_refused(
-    result: Launch, message: str, output_dir: Path | None, exit_code: int | None = None
+    result: Launch,
+    message: str,
+    output_dir: Path | None,
+    exit_code: int | None = None,
+    prog: str = "finetune.py",
 ) -> None:
     """Bad input: non-zero exit (``exit_code`` when given), exactly one error line holding
     ``message``, no traceback from dpkit's code, no process group, nothing written
@@ -69,7 +73,7 @@ def assert_refused(
     assert result.returncode != 0, result.output[-3000:]
     if exit_code is not None:
         assert result.returncode == exit_code, result.output[-3000:]
-    errors = error_lines(result.output, "finetune.py")
+    errors = error_lines(result.output, prog)
     assert len(errors) == 1, result.output[-3000:]  # one line for the job, not one per rank
     assert message in errors[0], errors[0]
     # No traceback from dpkit's code (a launcher may still print its own when a child exits non-zero).

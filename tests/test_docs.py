@@ -227,6 +227,7 @@ def command_flags() -> dict[str, set[str]]:
     helps = {f"dpkit {name}": dpkit_help(name) for name in COMMANDS}
     helps["dpkit"] = help_of(build_parser)
     helps["recipes/finetune.py"] = recipe_help("recipes.finetune")
+    helps["recipes/finetune_lm.py"] = recipe_help("recipes.finetune_lm")
     helps["recipes/train_lm.py"] = recipe_help("recipes.train_lm")
     helps["recipes/trainer_finetune.py"] = recipe_help("recipes.trainer_finetune")
     helps["accelerate launch"] = help_of(launch_command_parser, ("accelerate", "launch", "--help"))
@@ -253,7 +254,12 @@ OTHER_PROGRAMS = {
 # Placeholders in the docs' examples of a refusal (``--flag='value': ...``, ``--x=3``).
 PLACEHOLDERS = {"--flag", "--x"}
 
-RECIPES = ("recipes/finetune.py", "recipes/train_lm.py", "recipes/trainer_finetune.py")
+RECIPES = (
+    "recipes/finetune.py",
+    "recipes/finetune_lm.py",
+    "recipes/train_lm.py",
+    "recipes/trainer_finetune.py",
+)
 SUBCOMMANDS = ("data", "plan", "bench", "tune", "configs", "report", "consolidate")
 
 
@@ -322,7 +328,8 @@ def test_the_docs_name_flags_of_every_kind():
     them fails here, not as an empty check)."""
     commands = {command for _, _, command in flag_uses()}
     for command in ("dpkit plan", "dpkit bench", "dpkit tune", "dpkit consolidate",
-                    "recipes/finetune.py", "recipes/train_lm.py", "accelerate launch",
+                    "recipes/finetune.py", "recipes/finetune_lm.py", "recipes/train_lm.py",
+                    "accelerate launch",
                     "torchrun", "deepspeed", "train.py", None):  # fmt: skip
         assert command in commands, command
 

@@ -228,8 +228,8 @@ def test_a_finetune_config_needs_both_sections_and_not_its_sequence_length(tmp_p
     with pytest.raises(UsageError) as err:
         check_run(run_dir)
     assert str(err.value) == (
-        f"--against={str(run_dir)!r}: run_config.json: not from recipes/finetune.py or "
-        "recipes/train_lm.py"
+        f"--against={str(run_dir)!r}: run_config.json: not from recipes/finetune.py, "
+        "recipes/finetune_lm.py or recipes/train_lm.py"
     )
     config["TrainConfig"] = {"micro_batch_size": 3}
     check = check_run(_write(tmp_path / "whole", _recipe_report("ddp"), run_config=config))
@@ -328,8 +328,8 @@ def test_refusals_name_what_is_missing_or_wrong(tmp_path):
     with pytest.raises(UsageError) as err:
         check_run(tmp_path)
     assert str(err.value) == (
-        f"--against={str(tmp_path)!r}: run_config.json: not from recipes/finetune.py or "
-        "recipes/train_lm.py"
+        f"--against={str(tmp_path)!r}: run_config.json: not from recipes/finetune.py, "
+        "recipes/finetune_lm.py or recipes/train_lm.py"
     )
     _write(tmp_path, _trainer_report(precision="fp8"))
     with pytest.raises(UsageError) as err:
@@ -539,7 +539,8 @@ def test_an_lm_runs_config_gives_its_workload_and_ignores_unknown_fields():
     with pytest.raises(UsageError) as err:
         recipe_model({"TrainConfig": {}}, "the/run_config.json")
     assert (
-        str(err.value) == "the/run_config.json: not from recipes/finetune.py or recipes/train_lm.py"
+        str(err.value)
+        == "the/run_config.json: not from recipes/finetune.py, recipes/finetune_lm.py or recipes/train_lm.py"
     )
 
 

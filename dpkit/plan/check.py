@@ -114,6 +114,14 @@ def _trainer_model(report: dict[str, Any]) -> tuple[str, ModelSpec, int, int]:
     return spec.name, spec, int(record.get("micro_batch_size") or 1), seq_len
 
 
+# The run_config.json sections of dpkit's fine-tune recipes: (model flags, training flags,
+# the task its model is built for).
+RECIPE_SECTIONS = (
+    ("ModelConfig", "TrainConfig", "sequence_classification"),  # recipes/finetune.py
+    ("DecoderModelConfig", "CausalTrainConfig", "causal_lm"),  # recipes/finetune_lm.py
+)
+
+
 def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, int, int]:
     """The model a dpkit recipe trains, its micro-batch and sequence length, from its
     ``run_config.json`` (or the same sections parsed from its flags: ``dpkit tune``);
@@ -121,21 +129,25 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
     from dpkit.lora import LoraSettings
 
     lora = LoraSettings.from_flags(config.get("StrategyConfig") or {})
-    if "ModelConfig" in config and "TrainConfig" in config:  # recipes/finetune.py
-        name = config["ModelConfig"]["model"]
-        spec = load_model(name, task="sequence_classification", lora=lora)
-        dropout = config["ModelConfig"].get("dropout")
+    sections = next(
+        (keys for keys in RECIPE_SECTIONS if keys[0] in config and keys[1] in config), None
+    )
+    if sections is not None:
+        model_key, train_key, task = sections
+        name = config[model_key]["model"]
+        spec = load_model(name, task=task, lora=lora)
+        dropout = config[model_key].get("dropout")
         if dropout is not None and spec.config is not None:
             # --dropout set every dropout field of the run's model (ModelConfig.
             # dropout_overrides); the activations saved depend on it (masks, kernels).
             for key, value in spec.config.to_dict().items():
                 if "dropout" in key and isinstance(value, float):
                     setattr(spec.config, key, float(dropout))
-        micro_batch = int(config["TrainConfig"]["micro_batch_size"])
+        micro_batch = int(config[train_key]["micro_batch_size"])
         # Runs from before max_seq_length was recorded: the recipe's default, within the
         # model's positions (model states do not depend on it).
         default = min(128, spec.max_positions or 128)
-        return name, spec, micro_batch, int(config["ModelConfig"].get("max_seq_length", default))
+        return name, spec, micro_batch, int(config[model_key].get("max_seq_length") or default)
     if "LMWorkload" in config:  # recipes/train_lm.py (and dpkit bench)
         from dpkit.data import lm as lm_data
 
@@ -146,7 +158,9 @@ def recipe_model(config: dict[str, Any], where: str) -> tuple[str, ModelSpec, in
         name = workload.model_config or f"train_lm --size {workload.size}"
         spec = spec_from_config(name, "recipe", lm_data.lm_config(workload), lora=lora)
         return name, spec, workload.micro_batch_size, workload.seq_len
-    raise UsageError(f"{where}: not from recipes/finetune.py or recipes/train_lm.py")
+    raise UsageError(
+        f"{where}: not from recipes/finetune.py, recipes/finetune_lm.py or recipes/train_lm.py"
+    )
 
 
 def _measured_batch(report: dict[str, Any], micro_batch: int, seq_len: int) -> tuple[int, int, str]:
@@ -225,7 +239,9 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     report = _read_json(run_dir / "memory_report.json", "written at the end of every run")
     config_path = run_dir / "run_config.json"
     config = _read_json(config_path, "") if config_path.is_file() else {}
-    from_recipe = ("ModelConfig" in config and "TrainConfig" in config) or "LMWorkload" in config
+    from_recipe = "LMWorkload" in config or any(
+        model_key in config and train_key in config for model_key, train_key, _ in RECIPE_SECTIONS
+    )
     if isinstance(report.get("model"), dict) and not from_recipe:
         # A Trainer run, or a script of the user's own (dpkit.setup): the report says it all.
         model_name, spec, micro_batch, seq_len = _trainer_model(report)

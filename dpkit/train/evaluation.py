@@ -1,4 +1,4 @@
-"""Evaluating a classifier on every rank: loss, and accuracy and F1 from scikit-learn.
+"""Evaluating on every rank: a classifier (loss, accuracy and F1 from scikit-learn) and a causal LM (loss and perplexity).
 
 scikit-learn's ``accuracy_score`` and ``f1_score`` are what the ``evaluate`` metric
 modules shipped with dpkit (``dpkit/metrics``, for Trainer scripts) compute too; called
@@ -62,4 +62,54 @@ class ClassifierMetrics:
             "samples": len(references),
             "accuracy": float(accuracy_score(references, predictions)),
             self.f1_key: float(f1_score(references, predictions, average=self.average)),
+        }
+
+
+class CausalLMMetrics:
+    """Loss and perplexity of a causal LM over the tokens that carry the loss.
+
+    The loss is the mean cross-entropy per loss token of the whole split (a prompt's
+    tokens, labelled -100, carry none), as ``model(**batch).loss`` computes it per batch
+    (logits at position t predict the label at t + 1); perplexity is its exponential.
+    Each example's sum and token count are gathered with ``gather_for_metrics``, so the
+    samples the last uneven batch repeats across ranks count once, at any world size.
+    """
+
+    def evaluate(self, run: Any, model: Any, loader: Any) -> dict[str, float]:
+        """Score ``loader`` on every rank (a collective); the model is left in training
+        mode. ``run``: the :class:`~dpkit.train.run.Run` the model was prepared by."""
+        import math
+
+        import torch
+
+        accelerator = run.accelerator
+        model.eval()
+        loss_sum, tokens, samples = 0.0, 0, 0
+        for batch in loader:
+            with torch.no_grad():
+                logits = model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]
+                ).logits
+                labels = batch["labels"][:, 1:]
+                per_token = torch.nn.functional.cross_entropy(
+                    logits[:, :-1].float().transpose(1, 2), labels, ignore_index=-100,
+                    reduction="none",
+                )  # fmt: skip
+                counted = labels != -100
+                example_sums = (per_token * counted).sum(dim=1, dtype=torch.float64)
+                example_tokens = counted.sum(dim=1)
+            example_sums, example_tokens = accelerator.gather_for_metrics(
+                (example_sums, example_tokens)
+            )
+            loss_sum += float(example_sums.sum())
+            tokens += int(example_tokens.sum())
+            samples += int(example_tokens.numel())
+        run.evaluation_done(model)  # FSDP2 shard-grad-op keeps whole parameters after a forward
+        model.train()
+        loss = loss_sum / tokens if tokens else float("nan")
+        return {
+            "samples": samples,
+            "tokens": tokens,
+            "loss": loss,
+            "perplexity": math.exp(min(loss, 709.0)),  # nan stays nan; no overflow
         }
