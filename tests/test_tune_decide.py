@@ -1076,3 +1076,22 @@ def test_the_plan_traces_with_the_trials_devices_kernels():
         assert plan.activations[False] == expected
         found[device] = plan.estimate(space.Candidate("ddp", 4, 1)).activations
     assert found["cpu"] > found["cuda"]  # measured 33.7 against 32.0 MB at micro-batch 4
+
+
+def test_the_decoder_recipe_is_planned_as_a_causal_lm_of_its_resolved_length(tmp_path):
+    """finetune_lm.py's arguments give the plan its model as a causal LM and the sequence
+    length the recipe would use: without --max-seq-length, the model's own limit (the
+    tiny Llama of tests/local_models.py has 128 positions, under the cap of 1024)."""
+    from dataclasses import replace
+
+    from dpkit.tune.config import _plan_model
+    from tests import local_models
+
+    folder = local_models.build("llama", tmp_path / "llama")
+    sections = _plan_model(Path("finetune_lm.py"), ("--model", str(folder)))
+    assert sections["DecoderModelConfig"]["max_seq_length"] == 128
+    plan, note = space.memory_plan(replace(_settings(), plan_model=sections))
+    assert note == f"plan: {folder}, 128 tokens, fp32"
+    assert plan.model_name == str(folder)
+    given = _plan_model(Path("finetune_lm.py"), ("--model", str(folder), "--max-seq-length", "64"))
+    assert given["DecoderModelConfig"]["max_seq_length"] == 64

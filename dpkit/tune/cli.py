@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recipe",
         default=DEFAULT_RECIPE,
-        help="train_lm.py, finetune.py, or the path of a script built on dpkit's API "
+        help="train_lm.py, finetune.py, finetune_lm.py, or the path of a script built on dpkit's API "
         f"(default: {DEFAULT_RECIPE})",
     )
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 2)")

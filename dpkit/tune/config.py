@@ -262,7 +262,7 @@ def find_recipe(name: str) -> Path:
         return packaged
     raise UsageError(
         f"--recipe={name!r}: no such file, and not one of dpkit's recipes "
-        "(train_lm.py, finetune.py)"
+        "(train_lm.py, finetune.py, finetune_lm.py)"
     )
 
 
@@ -327,6 +327,15 @@ def _plan_model(recipe: Path, args: tuple[str, ...]) -> dict[str, Any] | None:
             args=list(args), return_remaining_strings=True
         )
         return {"ModelConfig": asdict(model), "TrainConfig": {"micro_batch_size": 1}}
+    if recipe.name == "finetune_lm.py":
+        from dpkit.models import load_model_config
+        from dpkit.train.causal_config import DecoderModelConfig
+
+        (model, _) = HfArgumentParser(DecoderModelConfig).parse_args_into_dataclasses(
+            args=list(args), return_remaining_strings=True
+        )
+        model.resolve_max_seq_length(load_model_config(model.model)[1])  # as the recipe does
+        return {"DecoderModelConfig": asdict(model), "CausalTrainConfig": {"micro_batch_size": 1}}
     return None
 
 
