@@ -71,15 +71,15 @@ def main() -> None:
     # Pre-flight: everything that can be wrong with the input, before any process group.
     model_path, hf_config = models.load_model_config(model_cfg.model)
     model_cfg.check_positions(hf_config)
+    resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
+    warm_start = train_cfg.init_from and dpkit.check_init_from(
+        train_cfg.init_from, train_cfg.resume
+    )
     splits, label_names = classification.load_data_splits(data_cfg)
     classification.check_classification_data(
         model_cfg, data_cfg, train_cfg, hf_config, loaded=(splits, label_names)
     )
     splits = data_cfg.truncate(splits)
-    resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
-    warm_start = train_cfg.init_from and dpkit.check_init_from(
-        train_cfg.init_from, train_cfg.resume
-    )
     tokenizer = models.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
     load_from = resume.weights_from(model_path) if resume else model_path
     load_kwargs = {

@@ -57,16 +57,16 @@ def main() -> None:
     max_seq_length, chosen = model_cfg.resolve_max_seq_length(hf_config)
     if chosen:
         logger.info("%s", chosen)
+    resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
+    warm_start = train_cfg.init_from and dpkit.check_init_from(
+        train_cfg.init_from, train_cfg.resume
+    )
     tokenizer = models.load_tokenizer(model_path, model_cfg.model, hf_config)  # can pad
     splits, data_format = causal.load_causal_splits(data_cfg)
     tokenized, counts = causal_tokens.tokenize_causal(
         splits, tokenizer, data_cfg, data_format, max_seq_length
     )
     logger.info("%s", counts.describe())
-    resume = dpkit.find_resume(train_cfg.resume, train_cfg.output_dir)
-    warm_start = train_cfg.init_from and dpkit.check_init_from(
-        train_cfg.init_from, train_cfg.resume
-    )
     load_from = resume.weights_from(model_path) if resume else model_path
     load_kwargs = {
         "pad_token_id": tokenizer.pad_token_id,  # the config matches the padding id
