@@ -80,6 +80,49 @@ def test_the_high_water_is_torchs_memtracker_on_the_same_step():
     assert ours["by_category"]["optimizer"] >= 2 * params  # both moments, all step long
 
 
+def test_fsdp2s_regathered_parameters_are_followed_as_memtracker_follows_them(one_rank_group):
+    """FSDP2 frees and refills each unit's whole parameters with ``UntypedStorage.resize_``
+    (no operator) and runs its ops on DTensors: a one-rank mesh in this process."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        *[
+            torch.nn.Sequential(
+                torch.nn.Linear(128, 256), torch.nn.ReLU(), torch.nn.Linear(256, 128)
+            )
+            for _ in range(3)
+        ]
+    )
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step():
+        model(torch.randn(16, 128)).pow(2).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    theirs = MemTracker()
+    theirs.track_external(model, optimizer)
+    with theirs:
+        tracker = MemoryTracker(
+            CPU, model, optimizer, strategy="fsdp2_full_shard", precision="fp32"
+        )
+        try:
+            step()
+            tracker.step_done(1)
+            ours = tracker.measure()["peak_live"]
+        finally:
+            tracker.stop()
+    their_peak = theirs.get_tracker_snapshot("peak")[torch.device("cpu")]["Total"]
+    assert abs(ours["bytes"] - their_peak) <= 0.02 * their_peak
+    assert sum(ours["by_category"].values()) == ours["bytes"]
+
+
 B, D = 8, 64  # batch, width of the one Linear (no bias)
 K_BIG, K_SMALL = 2**22, 2**20  # elements of the deliberate temporary
 

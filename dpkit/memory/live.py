@@ -29,6 +29,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpkit.core.categories import CATEGORIES
@@ -81,11 +82,12 @@ class LiveTensors(TorchDispatchMode):
         self._live: dict[int, _Storage] = {}
         self._by_key: dict[tuple[str, int, int], _Storage] = {}
         self._refs: dict[int, weakref.ref] = {}
-        self._peak_live: list[_Storage] = []
+        self._peak_live: list[tuple[_Storage, int]] = []
         self._peak_walks = 0
         self._peak_ops = 0
         self._dirty = False
         self._original_resize: Any = None
+        self._fake_mode: Any = None
 
     # ---- storages -------------------------------------------------------------------
 
@@ -165,13 +167,16 @@ class LiveTensors(TorchDispatchMode):
             self._dirty = True
 
     def _keep_peak(self) -> None:
-        self._peak_live = list(self._live.values())
+        # Sizes as they are now: FSDP2 resizes a storage to 0 after the high-water.
+        self._peak_live = [(record, record.nbytes) for record in self._live.values()]
         self._dirty = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if _has_dtensor(types):
             return NotImplemented  # DTensor runs its local ops, which come back here
         out = func(*args, **(kwargs or {}))
+        if active_fake_mode() is not self._fake_mode:
+            return out  # DTensor's sharding propagation runs on fake tensors: no memory
         self.ops += 1
         grew = False
         for tensor in _tensors(out):
@@ -181,6 +186,7 @@ class LiveTensors(TorchDispatchMode):
         return out
 
     def __enter__(self) -> LiveTensors:
+        self._fake_mode = active_fake_mode()  # None in eager
         self._original_resize = torch.UntypedStorage.resize_
         original = self._original_resize
 
@@ -220,8 +226,8 @@ class LiveTensors(TorchDispatchMode):
     def breakdown(self) -> dict[str, float]:
         """Bytes alive at the high-water by category."""
         split = dict.fromkeys(LIVE_CATEGORIES, 0.0)
-        for record in self._peak_live:
-            split[self._category(record)] += record.nbytes
+        for record, nbytes in self._peak_live:
+            split[self._category(record)] += nbytes
         return split
 
     def _category(self, record: _Storage) -> str:
@@ -237,6 +243,12 @@ class LiveTensors(TorchDispatchMode):
     @property
     def storages(self) -> int:
         return len(self._live)
+
+    def release(self) -> None:
+        """Stop following: the weak references go (no callback on later frees)."""
+        self._refs.clear()
+        self._live.clear()
+        self._by_key.clear()
 
 
 def _has_dtensor(types: Any) -> bool:
@@ -361,6 +373,7 @@ class PeakLive:
             "seconds": time.perf_counter() - self._started,
             "device": str(self.device),
         }
+        live.release()
         if self.device.type == "cuda" and torch.cuda.is_available():
             result.update(
                 max_memory_allocated=float(torch.cuda.max_memory_allocated(self.device)),
