@@ -33,7 +33,15 @@ from torch._guards import active_fake_mode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dpkit.core.categories import CATEGORIES
-from dpkit.core.walk import Ledger, local_shard, storage_key, unwrap_module, walk
+from dpkit.core.walk import (
+    Ledger,
+    inner_torch_optimizer,
+    local_shard,
+    storage_key,
+    unwrap_module,
+    walk,
+)
+from dpkit.memory.timeline import phase_of
 
 LIVE_CATEGORIES = (*CATEGORIES, "activations", "temporary")
 """What the live bytes at the high-water are split into: the walk's categories, the
@@ -260,9 +268,9 @@ class PeakLive:
     forward and closes it at :meth:`close` (:meth:`MemoryTracker.step_done
     <dpkit.memory.tracker.MemoryTracker.step_done>`), naming where the step is.
 
-    The step is the first: the step probes walk it (their walks name each storage, so
-    no walk of its own is added), and the cost lands on a step that already pays for
-    probes. What later steps hold is there too: Adam's moments, made lazily in the first
+    The step is the first: the step probes walk it (their walks name each storage; this
+    adds one walk, at the step's start), and the cost lands on a step that already pays
+    for probes. What later steps hold is there too: Adam's moments, made lazily in the first
     update, are made before the update's temporaries and counted at the high-water as in
     any later step.
 
@@ -276,8 +284,6 @@ class PeakLive:
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, engine: Any, device: Any) -> None:
-        from dpkit.core.walk import inner_torch_optimizer
-
         self.model = model
         self.optimizer = optimizer
         self.engine = engine
@@ -288,7 +294,6 @@ class PeakLive:
         self.probe_point: str | None = None
         self._modules: list[str] = []
         self._top: torch.nn.Module = unwrap_module(model)
-        self._after_child = 0
         self._children_returned = 0
         self._handles: list[Any] = [
             model.register_forward_pre_hook(self._open, with_kwargs=True),
@@ -441,8 +446,6 @@ class PeakLive:
         assert self.live is not None
         self.live.walked(ledger)
         self.probe_point = point
-        from dpkit.memory.timeline import phase_of
-
         phase = phase_of(point)
         if phase == "reduce" and self.phase == "backward":
             self._set("gradient reduction")
