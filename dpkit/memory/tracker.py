@@ -285,6 +285,9 @@ class MemoryTracker:
         self._steps_seen += 1
         if self.peak_live is not None:
             self.peak_live.close(step)
+            activations = self.probes.activations if self.probes is not None else None
+            if self.peak_live.result is not None and activations is not None:
+                activations.on_saved = None  # nothing of it runs after the measured step
         if self.probes is not None and self.probes.installed:
             self.probes.end_step(step)
         if (
