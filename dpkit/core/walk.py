@@ -54,10 +54,21 @@ def _local_storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
 class Ledger:
     """Storages seen in one walk; each is counted once, under the first category claiming it."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep_tensors: bool = False) -> None:
         self._owner: dict[tuple[str, int, int], str] = {}
         # category -> holder name -> bytes
         self.holders: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
+        # (tensor, category) of every storage counted, when asked (the live-bytes tracker
+        # follows them from there: dpkit.memory.live).
+        self._tensors: list[tuple[torch.Tensor, str]] | None = [] if keep_tensors else None
+
+    def owners(self) -> dict[tuple[str, int, int], str]:
+        """The category each storage counted was claimed under, by :func:`storage_key`."""
+        return self._owner
+
+    def tensors(self) -> list[tuple[torch.Tensor, str]]:
+        """A tensor of every storage counted, with its category (``keep_tensors=True``)."""
+        return list(self._tensors or [])
 
     def owner(self, tensor: torch.Tensor) -> str | None:
         key = storage_key(tensor)
@@ -72,6 +83,8 @@ class Ledger:
         if key is None or key in self._owner:
             return False
         self._owner[key] = category
+        if self._tensors is not None:
+            self._tensors.append((tensor, category))
         bucket = self.holders[category]
         bucket[holder] = bucket.get(holder, 0.0) + float(tensor.untyped_storage().nbytes())
         return True
@@ -159,6 +172,7 @@ def walk(
     model: torch.nn.Module,
     optimizer: Any,
     extra: Iterable[tuple[torch.Tensor, str, str]] = (),
+    ledger: Ledger | None = None,
 ) -> dict[str, Any]:
     """Bytes this rank holds now, by category, with the holder of every byte.
 
@@ -166,9 +180,10 @@ def walk(
     keeps the training state (:meth:`~dpkit.engines.base.Engine.walk`). Claim order (a
     storage counted twice would overstate memory, so each is counted under the first
     claim) is the engine's; ``extra`` (tensor, category, holder) are tensors a probe
-    caught in flight that no object holds yet, claimed last.
+    caught in flight that no object holds yet, claimed last. ``ledger``: count into this
+    one (to read which storage went where), else a new one.
     """
-    ledger = Ledger()
+    ledger = Ledger() if ledger is None else ledger
     info = engine.memory.walk(ledger, model, optimizer)
     for tensor, category, holder in extra:
         ledger.claim(tensor, category, holder)

@@ -16,7 +16,14 @@ from typing import Any
 
 import torch
 
-from dpkit.core.walk import CATEGORIES, inner_torch_optimizer, storage_key, unwrap_module, walk
+from dpkit.core.walk import (
+    CATEGORIES,
+    Ledger,
+    inner_torch_optimizer,
+    storage_key,
+    unwrap_module,
+    walk,
+)
 from dpkit.memory.timeline import StepTimeline
 from dpkit.models import repeated_blocks
 
@@ -63,6 +70,9 @@ class _SavedActivations:
         self._batch_shape: tuple[int, int] | None = None
         self.high_water_batch: tuple[int, int] | None = None
         """(micro-batch, sequence length) of the forward that saved the most."""
+        self.on_saved: Any = None
+        """Told each storage key saved for backward (the live-bytes tracker's
+        activations: :class:`~dpkit.memory.live.PeakLive`)."""
         self.seq_lens: list[int] = []
         """The padded sequence length of every counted forward (dynamic padding makes
         most batches shorter than the longest allowed)."""
@@ -86,6 +96,8 @@ class _SavedActivations:
         key = storage_key(tensor)
         if key is not None and key not in self._seen and key not in self._param_keys:
             self._seen.add(key)
+            if self.on_saved is not None:
+                self.on_saved(key)
             nbytes = float(tensor.untyped_storage().nbytes())
             self._bytes += nbytes
             if self.track_release:
@@ -205,6 +217,9 @@ class StepProbes:
         self.inner_step_done: list[Any] = []
         """Called after each step of the torch optimizer (engines' bookkeeping)."""
         self.activations = _SavedActivations(model) if count_activations else None
+        self.peak_live: Any = None
+        """The step's live-bytes high-water (:class:`~dpkit.memory.live.PeakLive`), told
+        of every walk, whose ledger names what it follows."""
         # What the process holds besides counted tensors, measured once (after prepare,
         # before the first step): the interpreter, the libraries, the data. It is the
         # part of a CPU peak that no parallelism strategy can shrink.
@@ -243,10 +258,17 @@ class StepProbes:
         """A timeline point: walk now and keep the figures in the timeline only (the
         category high-waters and ``phases`` are the engine's probe points')."""
         started = time.perf_counter()
-        snap = walk(self.engine, self.model, self.optimizer)
+        snap = self._walk(point)
         if self.timeline is not None:
             self.timeline.add(point, snap, started)
         self.probe_seconds += time.perf_counter() - started
+
+    def _walk(self, point: str, extra: Iterable[tuple[torch.Tensor, str, str]] = ()) -> dict:
+        ledger = Ledger()
+        snap = walk(self.engine, self.model, self.optimizer, extra, ledger=ledger)
+        if self.peak_live is not None:
+            self.peak_live.walked(point, ledger)
+        return snap
 
     def add_remover(self, remover: Any) -> None:
         """A callable that takes an engine's probe out again (run by :meth:`remove`)."""
@@ -267,7 +289,7 @@ class StepProbes:
         """Walk now at an engine's probe point: the category high-waters, ``phases``,
         the largest moment and the timeline."""
         started = time.perf_counter()
-        snap = walk(self.engine, self.model, self.optimizer, extra)
+        snap = self._walk(point, extra)
         self.phases[point] = {**{c: snap[c] for c in CATEGORIES}, "holders": snap["holders"]}
         for category in CATEGORIES:
             best = self.high_water.get(category)

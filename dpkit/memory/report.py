@@ -394,8 +394,32 @@ class MemoryReport:
                 f"{_mib(row.get('largest_moment', {}).get('total'))} + rest "
                 f"{_mib(peak['rss_rest_at_peak'])} (activations, workspace, allocator)"
             )
+        lines.extend(peak_live_line(row) for row in self._by_rank() if row.get("peak_live"))
         lines.extend(f"note: {note}" for note in self.notes)
         return "\n".join(lines)
+
+
+def peak_live_line(row: dict[str, Any]) -> str:
+    """One rank's live-tensor high-water (:mod:`dpkit.memory.live`) in a line: where in the
+    step, and what was alive then by category."""
+    peak = row["peak_live"]
+    where = peak.get("point") or "?"
+    detail = ", ".join(str(d) for d in (peak.get("module"), peak.get("op")) if d)
+    split = ", ".join(
+        f"{category} {_mib(nbytes)}" for category, nbytes in peak["by_category"].items() if nbytes
+    )
+    cuda = ""
+    if peak.get("max_memory_allocated") is not None:
+        cuda = (
+            f"; max allocated {_mib(peak['max_memory_allocated'])}, "
+            f"max reserved {_mib(peak['max_memory_reserved'])}"
+        )
+    return (
+        f"rank {row['rank']} peak live tensors (step {peak.get('step')}) "
+        f"{_mib(peak['bytes'])} MiB at {where}"
+        + (f" ({detail})" if detail else "")
+        + f" = {split}{cuda}"
+    )
 
 
 def _line(label: str, cells: Any, tail: str = "") -> str:

@@ -35,6 +35,7 @@ from dpkit.core.units import canonical_precision
 from dpkit.core.walk import unwrap_module, walk
 from dpkit.engines import engine_of, get_strategy
 from dpkit.lora import lora_settings
+from dpkit.memory.live import PeakLive
 from dpkit.memory.peak import current_summary, peak_figures, reset_peak
 from dpkit.memory.probes import StepProbes
 from dpkit.memory.report import MemoryReport
@@ -108,6 +109,7 @@ def measure_rank(
     optimizer: Any,
     probes: StepProbes | None = None,
     rss_reset: bool = False,
+    peak_live: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Bytes held on this rank by category, with the holder of each byte and the peak.
 
@@ -115,6 +117,8 @@ def measure_rank(
     right now when there are none. ``engine`` knows where the backend keeps its state.
     ``rss_reset``: whether the RSS high-water was reset
     (:func:`dpkit.memory.peak.reset_peak`) rather than running from process start.
+    ``peak_live``: the measured step's live-bytes high-water
+    (:attr:`dpkit.memory.live.PeakLive.result`), or None.
     """
     now = walk(engine, model, optimizer)
     row: dict[str, Any] = {"rank": int(getattr(accelerator, "process_index", 0))}
@@ -175,6 +179,7 @@ def measure_rank(
     worst = row["largest_moment"].get("total", counted)
     peak.update(peak_breakdown(peak, baseline, worst))
     row["peak"] = peak
+    row["peak_live"] = peak_live
     row["device"] = str(device) if device is not None else "cpu"
     row["settings"] = engine.memory.settings_in_effect(model, optimizer)
     # A probe point this DeepSpeed lacks: gradients held only there were not seen.
@@ -251,6 +256,20 @@ class MemoryTracker:
             if probe_steps != 0
             else None
         )
+        # The live tensor bytes of the first step (one step: a dispatch mode costs every
+        # operator a Python call), named by the probes' walks; none without probes.
+        self.peak_live = (
+            PeakLive(
+                model, optimizer, engine_of(self.strategy), getattr(accelerator, "device", None)
+            )
+            if self.probes is not None
+            else None
+        )
+        if self.peak_live is not None:
+            assert self.probes is not None
+            self.probes.peak_live = self.peak_live
+            if self.probes.activations is not None:
+                self.probes.activations.on_saved = self.peak_live.saved
         if self.probes is not None and self.probes.missing and _is_main(accelerator):
             logger.warning(
                 "dpkit: this DeepSpeed has no %s: the memory report marks gradients as unmeasured",
@@ -264,6 +283,11 @@ class MemoryTracker:
         activation count (a saved-tensor hook, a few ms a step) stays: batches of
         another length (dynamic padding) save more or less for backward."""
         self._steps_seen += 1
+        if self.peak_live is not None:
+            self.peak_live.close(step)
+            activations = self.probes.activations if self.probes is not None else None
+            if self.peak_live.result is not None and activations is not None:
+                activations.on_saved = None  # nothing of it runs after the measured step
         if self.probes is not None and self.probes.installed:
             self.probes.end_step(step)
         if (
@@ -275,11 +299,15 @@ class MemoryTracker:
 
     def stop(self) -> None:
         """Remove the probes now (their high-waters are kept for the report)."""
+        if self.peak_live is not None:
+            self.peak_live.remove()
         if self.probes is not None:
             self.probes.remove()
 
     def measure(self) -> dict[str, Any]:
         """This rank's row (no collective)."""
+        if self.peak_live is not None:
+            self.peak_live.close()  # a step still running: measured up to here
         return measure_rank(
             self.accelerator,
             engine_of(self.strategy),
@@ -287,6 +315,7 @@ class MemoryTracker:
             self.optimizer,
             self.probes,
             self.rss_reset,
+            self.peak_live.result if self.peak_live is not None else None,
         )
 
     def summary(self) -> str:

@@ -56,7 +56,7 @@ _GAP_PHASE = {
 }
 
 
-def _backward_root(output: Any) -> Any:
+def backward_root(output: Any) -> Any:
     """The tensor of a forward's output the backward starts from or reaches first: the
     output itself, its ``loss`` (transformers' outputs), else its first tensor that
     requires grad; None if there is none."""
@@ -113,7 +113,7 @@ class StepPhases:
         self._event("forward_end")
         if not self.model.training:
             return
-        root = _backward_root(output)
+        root = backward_root(output)
         if root is not None:
             root.register_hook(self._backward_started)
 
