@@ -184,7 +184,10 @@ print(total / count)
 @pytest.mark.parametrize("strategy", ["zero2", "fsdp2"])
 def test_every_strategy_trains_the_losses_of_ddp(launched, strategy):
     ddp, other = launched("ddp"), launched(strategy)
-    assert other.run_info["strategy"] == {"zero2": "zero2", "fsdp2": "fsdp2_full_shard"}[strategy]
+    # Both sides real 2-process jobs of the strategy asked for (run_info.json, read back).
+    assert (ddp.run_info["strategy"], ddp.run_info["world_size"]) == ("ddp", 2)
+    expected = {"zero2": "zero2", "fsdp2": "fsdp2_full_shard"}[strategy]
+    assert (other.run_info["strategy"], other.run_info["world_size"]) == (expected, 2)
     assert len(other.losses) == 4
     assert max_rel_diff(other.losses, ddp.losses) < STRATEGY_RTOL, (other.losses, ddp.losses)
     assert math.isclose(

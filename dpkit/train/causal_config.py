@@ -14,7 +14,7 @@ from typing import Any
 
 from dpkit.errors import UsageError, check_field
 from dpkit.models import max_positions
-from dpkit.train.finetune_config import ModelConfig, TrainConfig
+from dpkit.train.finetune_config import SCHEDULER_CHOICES, ModelConfig, TrainConfig
 
 # Tokens per example when --max-seq-length is not given: the model's position limit, up
 # to this (a 32k-position model would otherwise plan 32k-token micro-batches).
@@ -89,22 +89,8 @@ class CausalTrainConfig(TrainConfig):
     """Share of the optimizer steps with linear lr warm-up."""
     lr_scheduler: str = field(
         default="cosine",
-        metadata={
-            "help": "Decay after warm-up.",
-            "choices": ("linear", "cosine", "constant_with_warmup"),
-        },
+        metadata={"help": "Decay after warm-up.", "choices": SCHEDULER_CHOICES},
     )
     """Schedule after warm-up (transformers' get_scheduler names)."""
     output_dir: str = field(default="runs/finetune_lm", metadata={"help": "Run directory."})
     """Run directory: resolved config, metrics, memory report, checkpoints, final model."""
-
-
-def parse_finetune_lm_args(argv: list[str] | None = None) -> tuple:
-    """``recipes/finetune_lm.py``'s command line (:func:`dpkit.train.parsing.parse_args`)."""
-    from dpkit.data.causal import CausalDataConfig
-    from dpkit.train.config import StrategyConfig
-    from dpkit.train.parsing import parse_args
-
-    return parse_args(
-        DecoderModelConfig, CausalDataConfig, StrategyConfig, CausalTrainConfig, argv=argv
-    )
