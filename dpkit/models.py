@@ -285,9 +285,13 @@ def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     gradients out from these same groups (:mod:`dpkit.engines.deepspeed.layout`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    # A ZeRO-3 parameter built under zero.Init is an empty 1-d placeholder (shape (0,)); its
+    # whole shape is ds_shape (else every weight would land in the no-decay group).
+    matrices = [p for p in params if len(getattr(p, "ds_shape", p.shape)) >= 2]
+    others = [p for p in params if len(getattr(p, "ds_shape", p.shape)) < 2]
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": matrices, "weight_decay": weight_decay},
+        {"params": others, "weight_decay": 0.0},
     ]
     # An empty group (LoRA's adapters are all matrices) is left out: DeepSpeed drops it,
     # and a scheduler built over two groups then fails on the optimizer's one.

@@ -78,9 +78,7 @@ ZERO2_OFFLOAD = Strategy(
     runnable=False,
     summary="ZeRO-2 with optimizer state and master weights in host memory",
 )
-ZERO3 = Strategy(
-    "zero3", "ZeRO-3 (ref)", "deepspeed", 3, runnable=False, summary="parameters sharded too"
-)
+ZERO3 = Strategy("zero3", "ZeRO-3", "deepspeed", 3, summary="parameters sharded too")
 
 
 # DeepSpeed settings an accelerate YAML or flag can give (the launcher passes them as
@@ -136,9 +134,9 @@ class DeepSpeedEngine(Engine):
                 launcher_path, notes = found.path, tuple(filter(None, [found.note]))
             else:
                 stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
-                if stage not in (1, 2):
+                if stage not in (1, 2, 3):
                     raise UsageError(
-                        f"accelerate launch --zero_stage {stage}: dpkit supports ZeRO stages 1 and 2"
+                        f"accelerate launch --zero_stage {stage}: dpkit supports ZeRO stages 1-3"
                     )
                 named = self.runnable(zero_stage=stage).name
                 launcher_path = str(resources.deepspeed_config(named))
@@ -324,8 +322,27 @@ class DeepSpeedEngine(Engine):
         zero = zero_optimizer(optimizer)
         if zero is None:
             return None
+        if type(zero).__name__ == "DeepSpeedZeroOptimizer_Stage3":
+            return self.runnable(zero_stage=3)
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
         return self.runnable(zero_stage=stage)
+
+    @contextlib.contextmanager
+    def building_model(self, run: RunView) -> Iterator[None]:
+        """ZeRO-3: the Accelerator (and process group) started first, so that accelerate's
+        DeepSpeed plugin has set transformers' ``HfDeepSpeedConfig``: ``from_pretrained`` and
+        ``from_config`` then build the model under ``deepspeed.zero.Init``, partitioned as
+        it is built (no rank holds it whole), and initialise it with its own init."""
+        if run.resolution.strategy.shards_parameters:
+            from transformers.integrations import is_deepspeed_zero3_enabled
+
+            plugin = run.accelerator.state.deepspeed_plugin
+            if not (plugin.is_zero3_init_enabled() and is_deepspeed_zero3_enabled()):
+                raise UsageError(
+                    "ZeRO-3 without zero.Init (accelerate's zero3_init_flag is false): the "
+                    "model would load whole on every rank; set zero3_init_flag: true"
+                )
+        yield
 
     # bench and tune
 
