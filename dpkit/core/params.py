@@ -1,0 +1,24 @@
+"""A parameter's whole size, whatever holds it: the number every count and shape reads.
+
+Under DeepSpeed ZeRO-3 a parameter is an empty placeholder between uses (``shape``
+``(0,)``, ``numel()`` 0) and its whole shape is ``ds_shape`` (``ds_numel`` elements);
+an FSDP2 ``DTensor`` reports its whole shape itself. Counting with ``numel()`` reads 0
+(or only the small parameters ZeRO-3 keeps whole) under ZeRO-3: a report of a 0-parameter
+model, LoRA's frozen count 0, every matrix put in the no-decay group. Ground level: no
+import of torch or of any backend.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def whole_shape(param: Any) -> tuple[int, ...]:
+    """The parameter's whole shape: ZeRO-3's ``ds_shape``, else its own ``shape``."""
+    return tuple(int(d) for d in getattr(param, "ds_shape", param.shape))
+
+
+def whole_numel(param: Any) -> int:
+    """The parameter's whole element count: ZeRO-3's ``ds_numel``, else ``numel()``."""
+    numel = getattr(param, "ds_numel", None)
+    return int(param.numel() if numel is None else numel)
