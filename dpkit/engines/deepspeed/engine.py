@@ -344,6 +344,14 @@ class DeepSpeedEngine(Engine):
                 )
         yield
 
+    def after_evaluation(self, model: torch.nn.Module) -> None:
+        # ZeRO-3 keeps some parameters gathered whole after a forward without a backward
+        # (its reuse distance): measured, 86.5 MiB of MiniLM's 86.6 at 2 ranks still whole
+        # at the end-of-run report. The engine releases them (a no-op below stage 3).
+        empty_partition_cache = getattr(model, "empty_partition_cache", None)
+        if empty_partition_cache is not None:
+            empty_partition_cache()
+
     # bench and tune
 
     def accelerate_yaml(

@@ -75,6 +75,56 @@ def zero_optimizer(optimizer: Any) -> Any | None:
     return owner if is_zero_optimizer(owner) else None
 
 
+def stage3_optimizer(optimizer: Any) -> Any | None:
+    """DeepSpeed's ZeRO-3 optimizer behind accelerate's wrapper (the parameters themselves
+    partitioned: ``fp32_partitioned_groups_flat``), or None."""
+    owner = unwrap_optimizer(optimizer)
+    return owner if hasattr(owner, "fp32_partitioned_groups_flat") else None
+
+
+def _walk_stage3(ledger: Ledger, zero: Any, module: torch.nn.Module) -> dict[str, Any]:
+    """ZeRO-3's memory: each parameter's slice (views into the 16-bit flat partitions), the
+    small parameters it keeps whole (``ds_persist``), the ones gathered whole right now,
+    the fp32 master partitions and their optimizer state, the flat gradient partition and
+    the reduction buckets."""
+    # 1. The parameters: this rank's slices, then whatever is whole right now (persistent
+    # ones always, the others between their gather and their release).
+    ledger.claim_all(zero.fp16_partitioned_groups_flat, "params", "zero3_param_partition")
+    persistent, gathered = [], []
+    for param in module.parameters():
+        if getattr(param, "ds_numel", 0) and param.data.numel():
+            (persistent if getattr(param, "ds_persist", False) else gathered).append(param.data)
+    ledger.claim_all(persistent, "params", "zero3_persistent_params (whole on every rank)")
+    ledger.claim_all(gathered, "params", "zero3_gathered_params (whole until released)")
+    ledger.claim_all(module.parameters(), "params", "module parameters outside ZeRO-3")
+    # 2. The fp32 masters and the inner optimizer's state on them.
+    ledger.claim_all(zero.fp32_partitioned_groups_flat, "master", "zero3_fp32_partition")
+    claim_optimizer_state(ledger, getattr(zero, "optimizer", None))
+    # 3. Gradients: the flat partition every parameter's reduced slice lives in, and the
+    # masters' .grad during the step.
+    ledger.claim_all(
+        zero_tensors_in(getattr(zero, "grad_partitions_flat_buffer", None)),
+        "grads",
+        "zero3_grad_partition",
+    )
+    for flat in zero.fp32_partitioned_groups_flat:
+        if isinstance(flat.grad, torch.Tensor):
+            ledger.claim(flat.grad, "grads", "zero3_fp32_partition.grad")
+    ledger.claim_all(
+        zero_tensors_in(getattr(zero, "averaged_gradients", None)), "grads", "averaged_gradients"
+    )
+    for param in module.parameters():
+        if isinstance(param.grad, torch.Tensor):
+            ledger.claim(param.grad, "grads", "param.grad (before its reduction)")
+    # 4. Reduction buckets (one flat buffer each, or none without contiguous_gradients).
+    for bucket in getattr(zero, "ipg_buckets", {}).values():
+        ledger.claim_all(
+            zero_tensors_in(getattr(bucket, "buffer", None)), "buffers", "zero_ipg_bucket"
+        )
+    claim_module_buffers(ledger, module)
+    return {"kind": "zero", "stage": 3}
+
+
 def _partition_bounds(zero: Any, group: int) -> tuple[torch.Tensor, int, int] | None:
     """The flat buffer of ``group`` and this rank's partition of it, as [start, end) elements."""
     import torch.distributed as dist
@@ -293,6 +343,9 @@ class DeepSpeedMemory(MeasuredMemory):
     def walk(self, ledger: Ledger, model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
         """DeepSpeed ZeRO stage 1/2: the partitions and buffers inside ``DeepSpeedZeroOptimizer``
         (a model that DeepSpeed does not drive, under a ZeRO strategy, walks as plain torch)."""
+        stage3 = stage3_optimizer(optimizer)
+        if stage3 is not None:
+            return _walk_stage3(ledger, stage3, unwrap_module(model))
         zero = zero_optimizer(optimizer)
         if zero is None:
             zero = zero_optimizer(getattr(model, "optimizer", None))
@@ -407,13 +460,20 @@ class DeepSpeedMemory(MeasuredMemory):
     def precision_in_effect(self, optimizer: Any) -> str | None:
         import torch
 
+        stage3 = stage3_optimizer(optimizer)
         zero = zero_optimizer(optimizer)
-        if zero is None:
+        if zero is None and stage3 is None:
             return None
-        dtype = zero.bit16_groups_flat[0].dtype
+        flats = (
+            stage3.fp16_partitioned_groups_flat if stage3 is not None else zero.bit16_groups_flat
+        )
+        dtype = flats[0].dtype
         return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
 
     def optimizer_groups(self, optimizer: Any) -> list[list[Any]]:
+        stage3 = stage3_optimizer(optimizer)
+        if stage3 is not None:
+            return [list(group) for group in stage3.fp16_groups]
         zero = zero_optimizer(optimizer)
         if zero is None:
             return super().optimizer_groups(optimizer)
@@ -428,7 +488,7 @@ class DeepSpeedMemory(MeasuredMemory):
         return {f"zero.{n}": getattr(zero, n) for n in names if hasattr(zero, n)}
 
     def report_notes(self, strategy: Strategy, model: torch.nn.Module, optimizer: Any) -> list[str]:
-        if zero_optimizer(optimizer) is not None:
+        if zero_optimizer(optimizer) is not None or stage3_optimizer(optimizer) is not None:
             return []
         return [f"strategy {strategy.name!r} but no ZeRO optimizer found: measured as plain torch"]
 
