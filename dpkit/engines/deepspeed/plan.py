@@ -115,7 +115,11 @@ def buffer_bytes(
     # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
     shards_params = stage >= 3
     reduce_buckets = 2 if settings["overlap_comm"] and not shards_params else 1
-    if shards_params or not spec.param_groups:
+    if shards_params:
+        # ZeRO-3 allocates its ipg bucket only with contiguous_gradients (stage3.py).
+        contiguous = settings["contiguous_gradients"]
+        parts = {"reduce_bucket": (bucket * module_bytes) if contiguous else 0.0}
+    elif not spec.param_groups:
         parts = {"reduce_bucket": reduce_buckets * bucket * module_bytes}
     else:
         groups = spec.param_groups
