@@ -248,7 +248,11 @@ class MemoryTracker:
         self.precision = canonical_precision(precision)
         self.optimizer_name = optimizer_name
         self.offload_optimizer = offload_optimizer
-        self.probe_steps = probe_steps
+        # A backend whose first step is not yet its steady one (ZeRO-3 records its
+        # parameter trace in step 1 and gathers ahead only from step 2) is probed up to
+        # the steady step, and its live bytes are watched there.
+        self.steady_step = engine_of(self.strategy).memory.steady_step(optimizer)
+        self.probe_steps = max(probe_steps, self.steady_step) if probe_steps > 0 else probe_steps
         self.model_record = model_record
         self._steps_seen = 0
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
@@ -263,7 +267,11 @@ class MemoryTracker:
         # operator a Python call), named by the probes' walks; none without probes.
         self.peak_live = (
             PeakLive(
-                model, optimizer, engine_of(self.strategy), getattr(accelerator, "device", None)
+                model,
+                optimizer,
+                engine_of(self.strategy),
+                getattr(accelerator, "device", None),
+                from_step=self.steady_step,
             )
             if self.probes is not None
             else None

@@ -101,6 +101,35 @@ def refuse_accelerate_offload(env: Mapping[str, str]) -> None:
             )
 
 
+# accelerate's zero3_init_flag (its YAML's deepspeed_config, or ``--zero3_init_flag``) reaches
+# the script as this variable; unset, accelerate turns zero.Init on for a stage-3 config
+# (utils/dataclasses.py, DeepSpeedPlugin). Its words for true and false (str_to_bool).
+_ZERO3_INIT_ENV = "ACCELERATE_DEEPSPEED_ZERO3_INIT"
+_TRUE_WORDS = ("y", "yes", "t", "true", "on", "1")
+_FALSE_WORDS = ("n", "no", "f", "false", "off", "0")
+
+
+def refuse_zero3_without_init(strategy: Strategy, env: Mapping[str, str]) -> None:
+    """ZeRO-3 with accelerate's zero3_init_flag off: refused before any process group.
+    dpkit builds a ZeRO-3 model under ``deepspeed.zero.Init`` (partitioned as it is built);
+    without it every rank would load the whole model first."""
+    value = env.get(_ZERO3_INIT_ENV)
+    if not strategy.shards_parameters or value is None:
+        return
+    word = value.strip().lower()
+    if word in _TRUE_WORDS:
+        return
+    if word in _FALSE_WORDS:
+        raise UsageError(
+            f"accelerate config zero3_init_flag={word}: ZeRO-3 needs zero.Init (dpkit builds "
+            "the model partitioned under it; without it every rank would load the whole "
+            "model); set zero3_init_flag: true (--zero3_init_flag true) or leave it out"
+        )
+    raise UsageError(
+        f"accelerate config zero3_init_flag={value!r} ({_ZERO3_INIT_ENV}): not true or false"
+    )
+
+
 class DeepSpeedEngine(Engine):
     """ZeRO-1 and ZeRO-2: DeepSpeed's engine and ZeRO optimizer, configured by one JSON."""
 
@@ -136,7 +165,8 @@ class DeepSpeedEngine(Engine):
                 stage = int(env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
                 if stage not in (1, 2, 3):
                     raise UsageError(
-                        f"accelerate launch --zero_stage {stage}: dpkit supports ZeRO stages 1-3"
+                        f"accelerate launch --zero_stage {stage}: "
+                        "dpkit supports ZeRO stages 1, 2 and 3"
                     )
                 named = self.runnable(zero_stage=stage).name
                 launcher_path = str(resources.deepspeed_config(named))
@@ -197,6 +227,7 @@ class DeepSpeedEngine(Engine):
     def configure(self, strategy: Strategy, request: RequestView) -> ZeroSettings:
         common.refuse_fsdp_layers(strategy, request)
         refuse_accelerate_offload(request.env)
+        refuse_zero3_without_init(strategy, request.env)
         template, path = request.ds_template or {}, request.ds_config_path or ""
         offload = optimizer_offload(template, path)
         sizes = request.model_sizes

@@ -39,6 +39,7 @@ def buffer_settings(spec: ModelSpec, world_size: int, on_cuda: bool) -> dict[str
         "contiguous_gradients": True,
         "overlap_comm": False,  # DeepSpeed turns it on for stage 3 only
         "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
         "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
     }
     if spec.hidden_size:
@@ -107,9 +108,18 @@ def buffer_bytes(
     reduce it (:func:`~dpkit.engines.deepspeed.layout.largest_bucket_fill`, from the
     model's parameter layout; a bare ``--params`` count has none, and its bucket is
     counted once instead). The post-step all-gather writes into the parameters in place
-    (all_gather_into_tensor). ZeRO-3: one reduce bucket, the largest layer gathered
-    whole with its 16-bit gradient (DeepSpeed's ``largest_layer_memory``), the prefetch
-    bucket, and the small tensors every rank keeps whole."""
+    (all_gather_into_tensor). ZeRO-3: the reduce bucket (only with
+    ``contiguous_gradients``), the parameters gathered whole at the end of the forward
+    and the small ones every rank keeps whole (``stage3_param_persistence_threshold``).
+
+    ZeRO-3's gathered parameters, from its second step (the first records the module
+    order and releases each module's parameters after use): at the end of the forward
+    it keeps every parameter it will use again within ``stage3_max_reuse_distance``
+    elements, plus what it prefetched (``stage3_prefetch_bucket_size``) and the module
+    running; at DeepSpeed's defaults (1e9 and 5e7 elements) that is every parameter of a
+    model under about a billion. Measured equal on MiniLM at 2 ranks (docs/zero3.md);
+    for a larger model the sum is a bound (DeepSpeed's own estimator counts only the
+    largest layer, which its defaults exceed)."""
     module_bytes = dtype_bytes(precision)
     bucket = settings["reduce_bucket_size"]
     # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
@@ -133,8 +143,13 @@ def buffer_bytes(
             "reduce_flat_copy": module_bytes * largest_bucket_fill(groups, bucket, order),
         }
     if shards_params:
-        parts["gathered_layer"] = 2 * module_bytes * spec.largest_layer_params
-        parts["prefetch_bucket"] = module_bytes * settings["stage3_prefetch_bucket_size"]
+        sharded = spec.num_params - spec.small_tensor_params
+        window = (
+            settings["stage3_max_reuse_distance"]
+            + settings["stage3_prefetch_bucket_size"]
+            + spec.largest_layer_params
+        )
+        parts["gathered_params"] = module_bytes * min(sharded, window)
         parts["persistent_small_tensors"] = module_bytes * spec.small_tensor_params
     return parts
 
