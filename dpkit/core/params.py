@@ -10,6 +10,8 @@ import of torch or of any backend.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -22,3 +24,18 @@ def whole_numel(param: Any) -> int:
     """The parameter's whole element count: ZeRO-3's ``ds_numel``, else ``numel()``."""
     numel = getattr(param, "ds_numel", None)
     return int(param.numel() if numel is None else numel)
+
+
+@contextlib.contextmanager
+def whole_to_write(param: Any) -> Iterator[None]:
+    """Inside: ``param`` whole, to be written on the main process. A ZeRO-3 parameter is
+    gathered on every rank (a collective: every rank must enter with the same
+    parameters, in the same order) and, on leaving, the main process's values are
+    partitioned back; any other parameter is already whole."""
+    if getattr(param, "ds_id", None) is None:
+        yield
+        return
+    from deepspeed.zero import GatheredParameters  # only a ZeRO-3 parameter gets here
+
+    with GatheredParameters([param], modifier_rank=0):
+        yield

@@ -120,10 +120,16 @@ class DeepSpeedCheckpoints(CheckpointIO):
         """The fp32 master copies gathered per parameter (a collective), with the module's
         own buffers; on the main process."""
         from deepspeed.utils import safe_get_full_fp32_param
+        from deepspeed.zero import GatheredParameters
 
         gathered = {}
         for name, param in module.named_parameters():
             full = safe_get_full_fp32_param(param)
+            if full is None and getattr(param, "ds_id", None) is not None:
+                # A ZeRO-3 parameter without a master (frozen: LoRA's base weights) is
+                # gathered whole from its 16-bit slices (a collective).
+                with GatheredParameters([param]):
+                    full = param.detach().to("cpu").clone()
             if accelerator.is_main_process:  # a copy: the live parameters keep training
                 gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
         if not accelerator.is_main_process:

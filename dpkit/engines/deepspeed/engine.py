@@ -78,7 +78,7 @@ ZERO2_OFFLOAD = Strategy(
     runnable=False,
     summary="ZeRO-2 with optimizer state and master weights in host memory",
 )
-ZERO3 = Strategy("zero3", "ZeRO-3", "deepspeed", 3, summary="parameters sharded too")
+ZERO3 = Strategy("zero3", "ZeRO-3", "deepspeed", 3, benched=False, summary="parameters sharded too")
 
 
 # DeepSpeed settings an accelerate YAML or flag can give (the launcher passes them as
@@ -382,6 +382,16 @@ class DeepSpeedEngine(Engine):
         empty_partition_cache = getattr(model, "empty_partition_cache", None)
         if empty_partition_cache is not None:
             empty_partition_cache()
+
+    def check_options(self, strategy: Strategy, checkpoint_format: str) -> None:
+        if strategy.shards_parameters and checkpoint_format == "full":
+            # The full format gathers the moments through ZeRO-1/2's links only: refused
+            # rather than saved without them.
+            raise UsageError(
+                "--checkpoint-format=full: not under ZeRO-3 yet; the sharded format (the "
+                "default) resumes under every strategy, and dpkit consolidate writes full "
+                "weights from it"
+            )
 
     # bench and tune
 
