@@ -35,7 +35,8 @@ def whole_to_write(param: Any) -> Iterator[None]:
     if getattr(param, "ds_id", None) is None:
         yield
         return
-    from deepspeed.zero import GatheredParameters  # only a ZeRO-3 parameter gets here
+    # Only a ZeRO-3 parameter gets here: DeepSpeed is installed.
+    from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
     with GatheredParameters([param], modifier_rank=0):
         yield

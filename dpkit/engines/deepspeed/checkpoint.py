@@ -120,7 +120,7 @@ class DeepSpeedCheckpoints(CheckpointIO):
         """The fp32 master copies gathered per parameter (a collective), with the module's
         own buffers; on the main process."""
         from deepspeed.utils import safe_get_full_fp32_param
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         gathered = {}
         for name, param in module.named_parameters():

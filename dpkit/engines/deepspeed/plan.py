@@ -217,16 +217,17 @@ def step_bytes(
 ) -> dict[str, float]:
     """ZeRO-1/2 (not offloaded): the flat copy of this rank's gradient partition the step
     makes (in fp32 it becomes the master's gradient; in mixed precision it is cast to
-    fp32, and that fp32 gradient is already among the model states). ZeRO-3: the fp32
-    gradient partition the step reads (DeepSpeed's estimator counts it as "4 bytes grads
-    32bit"). Offload builds them in host memory. With the parameter layout known
+    fp32, and that fp32 gradient is already among the model states). ZeRO-3: nothing
+    more: the fp32 copy of its gradient partition the step makes is among its gradients
+    (:func:`model_state_bytes`; DeepSpeed's estimator counts it as "4 bytes grads 32bit").
+    Offload builds them in host memory. With the parameter layout known
     (``grads_laid_out``) they are part of the step's gradients instead
     (:mod:`dpkit.engines.deepspeed.layout`)."""
     if offload or grads_laid_out:
         return {}
     if stage in (1, 2):
         return {"flat_grad_partition": dtype_bytes(precision) * num_params / world_size}
-    return {"fp32_grad_partition": 4 * num_params / world_size}
+    return {}
 
 
 def optimizer_for_plan(offload: bool, optimizer: str) -> str | None:
