@@ -119,8 +119,8 @@ class DeepSpeedCheckpoints(CheckpointIO):
     def full_weights(self, accelerator: Accelerator, module: torch.nn.Module) -> dict[str, Any]:
         """The fp32 master copies gathered per parameter (a collective), with the module's
         own buffers; on the main process."""
-        from deepspeed.utils import safe_get_full_fp32_param
         from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        from deepspeed.utils import safe_get_full_fp32_param
 
         gathered = {}
         for name, param in module.named_parameters():
