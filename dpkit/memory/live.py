@@ -259,6 +259,15 @@ class LiveTensors(TorchDispatchMode):
         self._by_key.clear()
 
 
+def _batch_shape(inputs: list[Any]) -> dict[str, int] | None:
+    """The measured forward's micro-batch and tokens: the first 2-D integer input (the token
+    ids), which ``dpkit plan --against`` plans the peak for; None for other inputs."""
+    for tensor in _tensors(inputs):
+        if tensor.dim() == 2 and not tensor.is_floating_point():
+            return {"micro_batch": int(tensor.shape[0]), "seq_len": int(tensor.shape[1])}
+    return None
+
+
 def _has_dtensor(types: Any) -> bool:
     return any(t.__name__ == "DTensor" for t in types)
 
@@ -303,6 +312,7 @@ class PeakLive:
         self._at_start = 0
         self._cuda_at_start: float | None = None
         self._torch_opt = inner_torch_optimizer(optimizer)
+        self._batch: dict[str, int] | None = None
 
     # ---- the window ---------------------------------------------------------------------
 
@@ -321,6 +331,7 @@ class PeakLive:
             live.add(tensor, category)
         for tensor in _tensors(list(args) + list(kwargs.values())):
             live.add(tensor)  # the batch: temporary
+        self._batch = _batch_shape(list(args) + list(kwargs.values()))
         live.walks = 1
         live.peak = live.total
         self._at_start = live.total
@@ -371,6 +382,7 @@ class PeakLive:
             "probe_point": at.get("probe_point"),
             "by_category": live.breakdown(),
             "at_step_start": float(self._at_start),
+            "batch": self._batch,
             "step": step,
             "ops_seen": live.ops,
             "storages_live_at_end": live.storages,

@@ -196,8 +196,15 @@ def _kernel_mode(device: str, autocast_dtype: Any = None) -> Any:
             return output
 
         @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:  # never run: the trace only goes forward
-            raise NotImplementedError
+        def backward(ctx: Any, grad: Any) -> Any:
+            # Run by the step's trace (dpkit.plan.step_trace): the kernels' backward returns
+            # the gradients of q, k and v and recomputes the scores block by block.
+            query, key, value = ctx.saved_tensors[:3]
+            return (
+                query.new_empty(query.shape),
+                key.new_empty(key.shape),
+                value.new_empty(value.shape),
+            )
 
     def sdpa(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         dropout_p = kwargs.get("dropout_p", args[1] if len(args) > 1 else 0.0)

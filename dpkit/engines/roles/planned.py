@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.core.step import PeakPoint, PeakView
     from dpkit.core.units import GradientHighWater, ModelStateBytes
     from dpkit.engines.roles.views import PlanRowView
 
@@ -121,6 +122,39 @@ class PlanArithmetic:
         between the memory report's probe points, so that a run's counted tensors never
         include them (a GPU's allocator peak does)."""
         return ()
+
+    def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
+        """The points of one step where this backend's live bytes may peak, each with what
+        is alive there (:mod:`dpkit.plan.peak` takes the largest). The default: states
+        whole as the plan counts them, gradients stored as they arrive."""
+        from dpkit.core.step import PeakPoint
+
+        trace = view.trace
+        held = {
+            "params": view.params,
+            "master": view.master,
+            "module_buffers": view.module_buffers,
+            "batch": trace.batch,
+        }
+        return [
+            PeakPoint(
+                trace.forward_point,
+                {
+                    **held,
+                    "optimizer": view.optimizer_before_update,
+                    "activations": trace.forward_high,
+                },
+            ),
+            PeakPoint(
+                "backward",
+                {
+                    **held,
+                    "optimizer": view.optimizer_before_update,
+                    "activations_and_grads": trace.backward_kept_high,
+                },
+            ),
+            PeakPoint("optimizer step", {**held, "grads": view.grads, "optimizer": view.optimizer}),
+        ]
 
     def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
         """What choosing ``strategy`` buys and costs, for the plan's recommendation."""
