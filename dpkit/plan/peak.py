@@ -172,3 +172,23 @@ def plan_peaks(
             continue
         peaks[row.strategy] = step_peak(inputs, row.strategy, row, trace, settings)
     return peaks
+
+
+def peak_dict(peak: StepPeak) -> dict[str, Any]:
+    """A strategy's predicted peak for ``--json``: the run's, the first step's and a later
+    step's, each with its point and what is alive there (bytes as integers)."""
+
+    def point(p: PeakPoint) -> dict[str, Any]:
+        return {
+            "bytes": round(p.bytes),
+            "point": p.point,
+            "parts": {k: round(v) for k, v in p.parts.items()},
+        }
+
+    return {
+        "bytes": round(peak.bytes),
+        "point": peak.point,
+        "first_step": point(peak.first),
+        "later_steps": point(peak.later),
+        "batch": {"micro_batch": peak.trace.micro_batch, "seq_len": peak.trace.seq_len},
+    }
