@@ -18,6 +18,7 @@ FSDP2's shards hold them each their own way), the optimizer, and communication b
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from typing import Any
@@ -261,6 +262,10 @@ def _traced_step(key: _TraceKey, micro_batch: int, autocast: bool) -> StepTrace:
     if half is not None and not autocast:
         model = model.to(half)
     if key.checkpointing:
-        with _checkpointed(model):
+        # The recomputation in backward runs the same kernels as the forward.
+        def contexts() -> tuple[Any, Any]:
+            return contextlib.nullcontext(), _kernel_mode(key.device, autocast_dtype)
+
+        with _checkpointed(model, contexts):
             return _run(model, micro_batch, key.seq_len, key.device, autocast_dtype)
     return _run(model, micro_batch, key.seq_len, key.device, autocast_dtype)
