@@ -100,17 +100,33 @@ def test_zero_first_step_update_holds_the_fp32_partition_and_the_moments():
         assert sum(states.values()) == 4 * PARAMS + (4 + 4 + 8) * PARAMS / 2
 
 
-def test_the_logits_and_loss_are_in_an_lms_forward_high_water():
-    """A causal LM's forward holds its logits (seq x vocab fp32 per sample) and the loss's
-    log-probabilities beside them at its high-water, at the loss: more than two logits'
-    worth above what the same model's forward holds without a head's loss."""
-    spec = load_model("gpt2", task="causal_lm")
-    inputs = PlanInputs(model=spec, gpus_per_node=2, precision="fp32", micro_batch=2, seq_len=64)
-    trace = step_trace_for(inputs, "ddp", 2, device="cpu")
-    logits = 2 * 64 * spec.config.vocab_size * FP32
-    assert trace.forward_point == "loss"
-    assert trace.forward_high > 2 * logits
-    assert trace.backward_high > 2 * logits  # the logits' gradient beside the logits
+def _lm_trace(vocab: int):
+    from transformers import GPT2Config
+
+    from dpkit.plan.inputs import spec_from_config
+    from dpkit.plan.step_trace import step_trace
+
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=64, n_embd=64, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return step_trace(spec_from_config("lm", "recipe", config), 2, 64, "fp32", False, device="cpu")
+
+
+def test_the_logits_and_the_loss_are_counted_where_they_peak():
+    """A causal LM's logits (micro-batch x tokens x vocabulary, fp32) against the same
+    model with twice the vocabulary: everything else is the same, so the difference is
+    the number of logit-sized tensors alive at each high-water times one logits' growth.
+    Forward, at the loss: the logits (the model's output, kept by the loop through the
+    backward) and cross-entropy's log-probabilities (saved for backward): 2. Backward, in
+    log_softmax's backward: the logits, the log-probabilities, the gradient of the
+    log-probabilities (nll's backward) and the logits' gradient it makes: 4."""
+    small, large = _lm_trace(1000), _lm_trace(2000)
+    logits_growth = 2 * 64 * (2000 - 1000) * FP32
+    assert large.forward_point == "loss"
+    assert large.forward_high - small.forward_high == 2 * logits_growth
+    assert large.backward_high - small.backward_high == 4 * logits_growth
 
 
 def test_foreach_adamw_makes_one_denominator_per_group():
