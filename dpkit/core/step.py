@@ -30,6 +30,8 @@ class StepTrace:
     after its last submodule returned: the head's logits and loss)."""
     backward_high: float
     """The high-water during the backward, the stored gradients left out."""
+    grads_at_backward_high: float
+    """The stored gradients at that moment (the parameters whose backward ran before it)."""
     backward_kept_high: float
     """The high-water during the backward with every stored gradient kept whole as it
     arrives (ZeRO-1's module gradients, reduced after the backward)."""

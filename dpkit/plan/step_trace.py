@@ -65,6 +65,7 @@ class _Follow:
         self.forward_high = 0
         self.forward_point = "forward"
         self.backward_high = 0
+        self.grads_at_backward_high = 0
         self.backward_kept_high = 0
 
     def follow(self, tensor: Any) -> bool:
@@ -106,7 +107,9 @@ class _Follow:
                 self.forward_high = self.held
                 self.forward_point = "loss" if self.depth == 0 and self.returned else "forward"
         else:
-            self.backward_high = max(self.backward_high, self.held)
+            if self.held > self.backward_high:
+                self.backward_high = self.held
+                self.grads_at_backward_high = self.grads
             self.backward_kept_high = max(self.backward_kept_high, self.total)
 
 
@@ -219,6 +222,7 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
         forward_high=float(follow.forward_high),
         forward_point=follow.forward_point,
         backward_high=float(follow.backward_high),
+        grads_at_backward_high=float(follow.grads_at_backward_high),
         backward_kept_high=float(follow.backward_kept_high),
         grads_stored=grads_stored,
         block_forward=tuple(block_forward),

@@ -211,8 +211,8 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
     holds the module's parameters and its fp32 master partition; in backward, with
     ``contiguous_gradients``, the reduce bucket. ZeRO-1 keeps the module's gradients whole
     as they arrive and reduces them after the backward; ZeRO-2 reduces a bucket at a time,
-    so at the backward's start only the gradients waiting for their bucket are held. At the
-    reduction the worst rank holds its gradient layout's backward high-water
+    so at the backward's high-water only the gradients that arrived before it, waiting for
+    their bucket to fill, are held (at most a bucket of them). At the reduction the worst rank holds its gradient layout's backward high-water
     (:mod:`dpkit.engines.deepspeed.layout`) and the flat copy of the fullest bucket. The
     step flattens the rank's partition while the gradients it copies are alive (the
     layout's step figure), then the update holds the fp32 gradient partition for the
@@ -233,9 +233,11 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
     if stage == 1:
         backward = {"activations_and_grads": trace.backward_kept_high}
     else:
+        # At the backward's high-water the gradients that arrived before it wait in their
+        # bucket until it fills (at most one bucket of them).
         waiting = min(
             float(view.settings.get("reduce_bucket_size", 0)) * dtype_bytes(view.precision),
-            trace.grads_stored,
+            trace.grads_at_backward_high,
         )
         backward = {"activations": trace.backward_high, "grads_in_bucket": waiting}
     grads_backward = view.grads if view.grads_backward is None else view.grads_backward
