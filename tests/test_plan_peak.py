@@ -118,15 +118,16 @@ def test_the_logits_and_the_loss_are_counted_where_they_peak():
     """A causal LM's logits (micro-batch x tokens x vocabulary, fp32) against the same
     model with twice the vocabulary: everything else is the same, so the difference is
     the number of logit-sized tensors alive at each high-water times one logits' growth.
-    Forward, at the loss: the logits (the model's output, kept by the loop through the
-    backward) and cross-entropy's log-probabilities (saved for backward): 2. Backward, in
-    log_softmax's backward: the logits, the log-probabilities, the gradient of the
-    log-probabilities (nll's backward) and the logits' gradient it makes: 4."""
+    Forward, at the loss: the logits and cross-entropy's log-probabilities (saved for
+    backward): 2. Backward, in log_softmax's backward: the log-probabilities, the gradient
+    of the log-probabilities (nll's backward) and the logits' gradient it makes: 3. Not the
+    logits themselves: the recipes drop the model's output (``loss = model(**batch).loss``)
+    before the backward, and nothing saved them."""
     small, large = _lm_trace(1000), _lm_trace(2000)
     logits_growth = 2 * 64 * (2000 - 1000) * FP32
     assert large.forward_point == "loss"
     assert large.forward_high - small.forward_high == 2 * logits_growth
-    assert large.backward_high - small.backward_high == 4 * logits_growth
+    assert large.backward_high - small.backward_high == 3 * logits_growth
 
 
 def test_foreach_adamw_makes_one_denominator_per_group():

@@ -19,7 +19,8 @@ class StepTrace:
     """Bytes a forward, its loss and its backward hold at one micro-batch, beyond the
     parameters, the module's buffers and the batch: what autograd saves, the operators'
     outputs while they live (attention and MLP temporaries, the logits and the loss), and
-    in backward the gradients of activations. A parameter's gradient counts as long as it is
+    in backward the gradients of activations (the model's output dropped before it, as the
+    recipes' ``loss = model(**batch).loss`` does). A parameter's gradient counts as long as it is
     an operator's output, until autograd stores it (``.grad``); from then on it is the
     strategy's to hold (DDP's bucket, ZeRO's partition, FSDP2's reduce-scatter)."""
 

@@ -203,13 +203,14 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
             _kernel_mode(device, autocast_dtype),
             _mode(follow),
         ):
-            output = model(**inputs)
+            # As the recipes do (``loss = model(**batch).loss``): the output, and with it the
+            # logits, is dropped before the backward; what autograd saved stays.
+            loss = model(**inputs).loss
             follow.phase = "backward"
-            # The recipes keep the model's output (its logits) alive through the backward.
-            output.loss.backward()
+            loss.backward()
+            del loss
             grads_stored = float(follow.grads)
             end = float(follow.held)
-            del output
     finally:
         for handle in handles:
             handle.remove()
