@@ -147,7 +147,7 @@ def test_the_largest_candidate_is_the_peak_and_a_plateau_covers_its_later_points
 # --- (b) against measured literals ---------------------------------------------------
 
 # Measured 2026-12-07 on this branch: the largest rank's peak_live["bytes"] and point of
-# 2-process CPU runs (torch 2.13, gloo), each the first step at the batch it recorded:
+# 2-process (FT4: 4-process) CPU runs (torch 2.13, gloo), each the first step at the batch it recorded:
 #   FT  = OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 recipes/finetune.py --strategy S
 #         --max-steps 2 --max-train-samples 64 --max-eval-samples 16 --micro-batch-size 8
 #         --max-seq-length 64 --warmup-ratio 0 --dropout 0 --eval-steps 0 --no-save-model
@@ -180,6 +180,10 @@ MEASURED = {
     "LM zero2": ("llama", "zero2", 8, 64, {}, 9_404_368, "backward"),
     "LM fsdp2": ("llama", "fsdp2_full_shard", 8, 64, {}, 9_256_396, "backward"),
     "TLM zero2": ("train_lm", "zero2", 8, 128, {}, 596_550_672, "backward"),
+    # FT under torchrun --nproc_per_node 4 (the largest rank's batch)
+    "FT4 ddp": ("minilm", "ddp", 8, 48, {"ranks": 4}, 363_441_708, "after update"),
+    "FT4 zero2": ("minilm", "zero2", 8, 40, {"ranks": 4}, 205_865_720, "optimizer step"),
+    "FT4 fsdp2": ("minilm", "fsdp2_full_shard", 8, 48, {"ranks": 4}, 145_311_976, "backward"),
 }  # fmt: skip
 
 
@@ -213,15 +217,16 @@ def _spec(model: str, tmp_path_factory, lora: int | None = None):
 def test_the_first_steps_peak_is_within_5_percent_of_the_measured_one(case, tmp_path_factory):
     model, strategy, micro_batch, tokens, flags, measured, point = MEASURED[case]
     spec = _spec(model, tmp_path_factory, flags.get("lora"))
+    ranks = flags.get("ranks", 2)
     inputs = PlanInputs(
         model=spec,
-        gpus_per_node=2,
+        gpus_per_node=ranks,
         precision=flags.get("precision", "fp32"),
         micro_batch=micro_batch,
         seq_len=tokens,
         activation_checkpointing=flags.get("gc", False),
     )
-    settings = buffer_settings(spec, 2, on_cuda=False)
+    settings = buffer_settings(spec, ranks, on_cuda=False)
     row = estimate(inputs, strategy, micro_batch, None, settings)
     trace = step_trace_for(inputs, strategy, micro_batch, device="cpu")
     first = step_peak(inputs, strategy, row, trace, settings, on_gpu=False).first
