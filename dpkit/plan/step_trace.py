@@ -146,14 +146,13 @@ def _batch(model: Any, micro_batch: int, seq_len: int) -> tuple[dict[str, Any], 
 
 
 def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype: Any) -> StepTrace:
-
     inputs, batch_bytes = _batch(model, micro_batch, seq_len)
     known = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
     known |= {id(t.untyped_storage()) for t in inputs.values()}
     follow = _Follow(known)
     blocks = repeated_blocks(model)
     block_forward = [0.0] * len(blocks)
-    block_backward_start = [None] * len(blocks)
+    block_backward_start: list[float | None] = [None] * len(blocks)
     handles = []
 
     def enter(module: Any, args: Any) -> None:
@@ -205,7 +204,7 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
         ):
             # As the recipes do (``loss = model(**batch).loss``): the output, and with it the
             # logits, is dropped before the backward; what autograd saved stays.
-            loss = model(**inputs).loss
+            loss = _loss(model(**inputs))
             follow.phase = "backward"
             loss.backward()
             del loss
@@ -232,6 +231,16 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
         micro_batch=micro_batch,
         seq_len=seq_len,
     )
+
+
+def _loss(output: Any) -> Any:
+    """What the backward starts from: the model's loss, or for a head dpkit labels no loss
+    for, the sum of its first output that needs a gradient."""
+    loss = getattr(output, "loss", None)
+    if loss is not None:
+        return loss
+    first = next(t for t in _tensors(output) if t.requires_grad)
+    return first.float().sum()
 
 
 def step_trace(
