@@ -180,6 +180,17 @@ MEASURED = {
     "LM zero2": ("llama", "zero2", 8, 64, {}, 9_404_368, "backward"),
     "LM fsdp2": ("llama", "fsdp2_full_shard", 8, 64, {}, 9_256_396, "backward"),
     "TLM zero2": ("train_lm", "zero2", 8, 128, {}, 596_550_672, "backward"),
+    "BIG zero1": ("minilm", "zero1", 32, 56, {}, 420_394_032, "backward"),
+    "BIG fsdp2 shard-grad-op": ("minilm", "fsdp2_shard_grad_op", 32, 56, {}, 420_394_016, "backward"),
+    "FT fsdp2 shard-grad-op": ("minilm", "fsdp2_shard_grad_op", 8, 40, {}, 192_503_628, "forward"),
+    "BIG zero2 checkpointing": ("minilm", "zero2", 32, 56, {"gc": True}, 274_011_688, "optimizer step"),
+    "BIG fsdp2 checkpointing": ("minilm", "fsdp2_full_shard", 32, 56, {"gc": True}, 187_066_144, "backward"),
+    "BIG zero2 lora r8": ("minilm", "zero2", 32, 56, {"lora": 8}, 299_108_664, "backward"),
+    "BIG fsdp2 lora r8": ("minilm", "fsdp2_full_shard", 32, 56, {"lora": 8}, 267_979_308, "backward"),
+    "FT zero1 bf16": ("minilm", "zero1", 8, 40, {"precision": "bf16"}, 227_000_678, "optimizer step"),
+    # Predicted at the forward: DDP's buckets are alive there (allocated at wrap time), but
+    # the first step's measure counts them only from the backward's first write into them.
+    "BIG ddp bf16": ("minilm", "ddp", 32, 56, {"precision": "bf16", "predicted_point": "forward"}, 380_854_300, "backward"),
     # FT under torchrun --nproc_per_node 4 (the largest rank's batch)
     "FT4 ddp": ("minilm", "ddp", 8, 48, {"ranks": 4}, 363_441_708, "after update"),
     "FT4 zero2": ("minilm", "zero2", 8, 40, {"ranks": 4}, 205_865_720, "optimizer step"),
@@ -231,7 +242,7 @@ def test_the_first_steps_peak_is_within_5_percent_of_the_measured_one(case, tmp_
     trace = step_trace_for(inputs, strategy, micro_batch, device="cpu")
     first = step_peak(inputs, strategy, row, trace, settings, on_gpu=False).first
     assert abs(first.bytes - measured) / measured < 0.05
-    assert first.covers(point)
+    assert first.covers(flags.get("predicted_point", point))
 
 
 # --- (c) a real run ------------------------------------------------------------------
