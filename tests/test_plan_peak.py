@@ -17,7 +17,7 @@ import pytest
 
 from dpkit.core.spec import PlanInputs
 from dpkit.core.step import PeakPoint, highest
-from dpkit.plan.check import check_run
+from dpkit.plan.check import check_dict, check_run
 from dpkit.plan.estimate import buffer_settings, estimate
 from dpkit.plan.inputs import load_model
 from dpkit.plan.peak import optimizer_temporaries, step_peak, step_trace_for
@@ -144,6 +144,45 @@ def test_the_largest_candidate_is_the_peak_and_a_plateau_covers_its_later_points
     assert highest([a, b]) is b and b.covers("after update") and not a.covers("loss")
 
 
+def test_the_plan_shows_each_strategys_peak_and_keeps_the_reserve_out_of_it():
+    """``dpkit plan``: a peak per strategy with its point, in the table and the JSON; the
+    reserve (what a GPU holds beside tensors) moves every total and no peak."""
+    from dpkit.core.units import GIB
+    from dpkit.plan.output import format_table, plan_dict
+    from dpkit.plan.recommend import make_plan
+
+    spec = _minilm()
+
+    def plan(reserve: int):
+        return make_plan(
+            PlanInputs(model=spec, gpus_per_node=2, micro_batch=8, seq_len=64, reserve=reserve)
+        )
+
+    small, large = plan(1 * GIB), plan(3 * GIB)
+    applicable = [r.strategy for r in small.rows if r.applicable]
+    assert sorted(small.peaks) == sorted(applicable)
+    for name in applicable:
+        assert large.peaks[name].bytes == small.peaks[name].bytes
+        assert large.row(name).total - small.row(name).total == 2 * GIB
+    table = format_table(small)
+    assert "peak: the step's high-water of live tensor bytes" in table
+    assert f"at {small.peaks['fsdp2_full_shard'].point}" in table
+    entry = next(s for s in plan_dict(small)["strategies"] if s["strategy"] == "zero2")
+    assert entry["peak"]["bytes"] == round(small.peaks["zero2"].bytes)
+    assert set(entry["peak"]) == {"bytes", "point", "first_step", "later_steps", "batch"}
+    assert entry["peak"]["batch"] == {"micro_batch": 8, "seq_len": 64}
+
+
+def test_a_bare_parameter_count_has_no_peak_and_says_why():
+    from dpkit.core.spec import ModelSpec
+    from dpkit.plan.output import format_table
+    from dpkit.plan.recommend import make_plan
+
+    plan = make_plan(PlanInputs(model=ModelSpec(name="1B", source="count", num_params=10**9)))
+    assert plan.peaks == {}
+    assert "peak: not predicted (a bare --params has no shapes to trace)" in format_table(plan)
+
+
 # --- (b) against measured literals ---------------------------------------------------
 
 # Measured 2026-12-07 on this branch: the largest rank's peak_live["bytes"] and point of
@@ -257,3 +296,6 @@ def test_plan_against_a_ddp_run_predicts_its_peak_within_5_percent(recipe_runs):
     assert error is not None and abs(error) < 5.0
     assert check.peak is not None and check.peak_measured is not None
     assert check.peak.first.covers(check.peak_measured["point"])
+    as_json = check_dict(check)
+    assert as_json["peak"]["first_step"]["point"] == check.peak.first.point
+    assert as_json["measured_bytes"]["peak"] == round(check.peak_measured["bytes"])
