@@ -321,7 +321,11 @@ class PeakLive:
         return self.live is not None and self.result is None
 
     def _open(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if self.live is not None or not module.training or not torch.is_grad_enabled():
+        if not module.training or not torch.is_grad_enabled():
+            return
+        if self.live is not None:
+            if self.open:  # a later micro-batch of the measured step: its own shape
+                self._batch = _batch_shape(list(args) + list(kwargs.values()))
             return
         self._started = time.perf_counter()
         live = LiveTensors(self.device)
@@ -382,7 +386,7 @@ class PeakLive:
             "probe_point": at.get("probe_point"),
             "by_category": live.breakdown(),
             "at_step_start": float(self._at_start),
-            "batch": self._batch,
+            "batch": at.get("batch", self._batch),
             "step": step,
             "ops_seen": live.ops,
             "storages_live_at_end": live.storages,
@@ -411,7 +415,11 @@ class PeakLive:
     # ---- where the step is --------------------------------------------------------------
 
     def _where(self) -> dict[str, Any]:
-        where: dict[str, Any] = {"phase": self.phase, "probe_point": self.probe_point}
+        where: dict[str, Any] = {
+            "phase": self.phase,
+            "probe_point": self.probe_point,
+            "batch": self._batch,
+        }
         if self.phase == "forward":
             where["module"] = self._modules[-1] if self._modules else None
             if self._modules == [""] and self._children_returned:
