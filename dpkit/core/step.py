@@ -79,6 +79,9 @@ class PeakView:
     makes its moments inside the first update; what ``peak_live`` measures); False: every
     later step, which holds the state throughout."""
     settings: Mapping[str, Any] = field(default_factory=dict)
+    accumulation_steps: int = 1
+    """Micro-batches per optimizer step: from the second on, a micro-batch's forward and
+    backward run beside the gradients the earlier ones accumulated."""
     on_gpu: bool = True
     """The collectives: NCCL on a GPU, gloo on a CPU (whose reduce-scatter works on a whole
     copy of its input)."""

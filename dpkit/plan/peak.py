@@ -147,6 +147,7 @@ def step_peak(
             precision=precision,
             first_step=first_step,
             settings=settings,
+            accumulation_steps=inputs.gradient_accumulation_steps,
             on_gpu=on_gpu,
         )
 

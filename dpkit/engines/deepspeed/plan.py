@@ -17,7 +17,12 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dpkit.core.units import OPTIMIZER_STATE_BYTES, GradientHighWater, ModelStateBytes, dtype_bytes
-from dpkit.engines.deepspeed.layout import gradient_high_water, group_order, largest_bucket_fill
+from dpkit.engines.deepspeed.layout import (
+    gradient_high_water,
+    group_order,
+    largest_bucket_fill,
+    partition_group,
+)
 from dpkit.engines.roles.planned import PlanArithmetic
 
 if TYPE_CHECKING:
@@ -218,7 +223,13 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
     layout's step figure), then the update holds the fp32 gradient partition for the
     master, AdamW's moments (made inside the first update) and the optimizer's
     temporaries. What the step holds before the update gets the moments only after the
-    first step."""
+    first step.
+
+    With gradient accumulation a later micro-batch's forward and backward run beside the
+    gradients accumulated so far: ZeRO-1's whole module gradients; ZeRO-2's, on the worst
+    rank, the whole gradients of the parameters touching its partition (reason 4 of
+    :mod:`dpkit.engines.deepspeed.layout`; with ``contiguous_gradients``, its partition
+    buffer)."""
     from dpkit.core.step import PeakPoint
 
     trace = view.trace
@@ -229,6 +240,12 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
         "batch": trace.batch,
     }
     before = {"optimizer": view.optimizer_before_update} if view.optimizer_before_update else {}
+    # The layout's reduction and step figures hold the accumulated gradients already.
+    accumulated = (
+        {"grads_accumulated": _accumulated_gradients(stage, view)}
+        if view.accumulation_steps > 1
+        else {}
+    )
     bucket = {"reduce_bucket": view.buffer_parts.get("reduce_bucket", 0.0)}
     if stage == 1:
         backward = {"activations_and_grads": trace.backward_kept_high}
@@ -246,8 +263,11 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
     else:
         flatten = {"grads": view.grads_step}
     return [
-        PeakPoint(trace.forward_point, {**held, **before, "activations": trace.forward_high}),
-        PeakPoint("backward", {**held, **before, **bucket, **backward}),
+        PeakPoint(
+            trace.forward_point,
+            {**held, **before, **accumulated, "activations": trace.forward_high},
+        ),
+        PeakPoint("backward", {**held, **before, **accumulated, **bucket, **backward}),
         PeakPoint(
             "gradient reduction",
             {
@@ -269,6 +289,26 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
             },
         ),
     ]
+
+
+def _accumulated_gradients(stage: int, view: PeakView) -> float:
+    """Gradient bytes the worst rank keeps between micro-batches of one step."""
+    module_bytes = dtype_bytes(view.precision)
+    groups = view.spec.param_groups
+    if stage == 1 or not groups:
+        return view.trace.grads_stored if stage == 1 else view.grads
+    n = view.world_size
+    contiguous = bool(view.settings.get("contiguous_gradients", False))
+    worst = 0
+    for rank in range(n):
+        parts = [partition_group(g, n, rank) for g in groups]
+        held = (
+            sum(p.partition_numel for p in parts)
+            if contiguous
+            else sum(p.whole_numel for p in parts)
+        )
+        worst = max(worst, held)
+    return float(module_bytes * worst)
 
 
 def optimizer_for_plan(offload: bool, optimizer: str) -> str | None:

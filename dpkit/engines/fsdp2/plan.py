@@ -92,7 +92,10 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
     and gradients, the unit's whole gradients in the compute dtype with the fp32
     reduce-scatter input they are copied into (on gloo, the input and the whole copy gloo
     reduces), the next unit back gathered (prefetched), and the activations of the units
-    before it. A bare ``--params`` has no units: the default points."""
+    before it. With gradient accumulation every micro-batch reduce-scatters (dpkit does not
+    skip FSDP2's gradient sync): a later micro-batch runs beside the sharded gradients
+    accumulated so far, and each unit's reduce-scatter output is added into them. A bare
+    ``--params`` has no units: the default points."""
     from dpkit.core.step import PeakPoint
     from dpkit.core.units import dtype_bytes
 
@@ -135,6 +138,9 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
     }
     if view.optimizer_before_update:
         held["optimizer"] = view.optimizer_before_update
+    accumulating = view.accumulation_steps > 1
+    if accumulating:
+        held["accumulated_grad_shards"] = view.grads
     points = []
     for i, unit in enumerate(layers):
         earlier = 0.0 if reshard_after_forward else sum(whole(u) for u in layers[:i])
@@ -186,7 +192,9 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
                 "backward",
                 {
                     **held,
-                    "grads": sum(grad_shard(u) for u in layers_trained[i:]),
+                    "grads": grad_shard(layers_trained[i])
+                    if accumulating
+                    else sum(grad_shard(u) for u in layers_trained[i:]),
                     "units_whole": gathered,
                     "root_whole_grads": root_grads,
                     "reduce_scatter": reduce_scatter(layers_trained[i]),
@@ -199,7 +207,9 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
             "gradient reduction",
             {
                 **held,
-                "grads": sum(grad_shard(u) for u in layers_trained),
+                "grads": grad_shard(root_trained)
+                if accumulating
+                else sum(grad_shard(u) for u in layers_trained),
                 "reduce_scatter": reduce_scatter(root_trained),
             },
         )
@@ -208,7 +218,11 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
         PeakPoint(
             "optimizer step",
             {
-                **{k: v for k, v in held.items() if k != "root_whole_params"},
+                **{
+                    k: v
+                    for k, v in held.items()
+                    if k not in ("root_whole_params", "accumulated_grad_shards")
+                },
                 "grads": view.grads,
                 "optimizer": view.optimizer,
                 **view.optimizer_temporaries,
