@@ -230,6 +230,10 @@ MEASURED = {
     # Predicted at the forward: DDP's buckets are alive there (allocated at wrap time), but
     # the first step's measure counts them only from the backward's first write into them.
     "BIG ddp bf16": ("minilm", "ddp", 32, 56, {"precision": "bf16", "predicted_point": "forward"}, 380_854_300, "backward"),
+    # BIG with --micro-batch-size 16 --gradient-accumulation-steps 2: the second micro-batch
+    "GA ddp": ("minilm", "ddp", 16, 56, {"ga": 2}, 414_932_784, "backward"),
+    "GA zero2": ("minilm", "zero2", 16, 48, {"ga": 2}, 350_384_716, "backward"),
+    "GA fsdp2": ("minilm", "fsdp2_full_shard", 16, 56, {"ga": 2}, 249_206_072, "backward"),
     # FT under torchrun --nproc_per_node 4 (the largest rank's batch)
     "FT4 ddp": ("minilm", "ddp", 8, 48, {"ranks": 4}, 363_441_708, "after update"),
     "FT4 zero2": ("minilm", "zero2", 8, 40, {"ranks": 4}, 205_865_720, "optimizer step"),
@@ -275,6 +279,7 @@ def test_the_first_steps_peak_is_within_5_percent_of_the_measured_one(case, tmp_
         micro_batch=micro_batch,
         seq_len=tokens,
         activation_checkpointing=flags.get("gc", False),
+        gradient_accumulation_steps=flags.get("ga", 1),
     )
     settings = buffer_settings(spec, ranks, on_cuda=False)
     row = estimate(inputs, strategy, micro_batch, None, settings)
