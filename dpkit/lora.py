@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dpkit.core.params import whole_numel
 from dpkit.errors import UsageError
 
 ALL_LINEAR = "all-linear"
@@ -248,7 +249,7 @@ def frozen_and_trainable(model: Any) -> tuple[int, int]:
     frozen = trainable = 0
     for param in model.parameters():
         if param.requires_grad:
-            trainable += param.numel()
+            trainable += whole_numel(param)
         else:
-            frozen += param.numel()
+            frozen += whole_numel(param)
     return frozen, trainable

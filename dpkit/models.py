@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dpkit.core.params import whole_numel, whole_shape
 from dpkit.errors import UsageError
 
 logger = logging.getLogger("dpkit")
@@ -188,8 +189,8 @@ class ModelSizes:
         if not trainable:
             raise ValueError(f"{type(module).__name__} has no trainable parameters")
         return cls(
-            num_params=sum(p.numel() for p in trainable),
-            largest_param_numel=max(p.numel() for p in trainable),
+            num_params=sum(whole_numel(p) for p in trainable),
+            largest_param_numel=max(whole_numel(p) for p in trainable),
             hidden_size=hidden_size_of(config) if config is not None else None,
         )
 
@@ -199,7 +200,7 @@ def count_parameters(model, trainable_only: bool = False) -> int:
 
     Not deduplicated by ``data_ptr``, which is 0 for every tensor on the meta device.
     """
-    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+    return sum(whole_numel(p) for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def block_class_names(model: Any) -> tuple[str, ...]:
@@ -285,9 +286,13 @@ def adamw_param_groups(model, weight_decay: float) -> list[dict]:
     gradients out from these same groups (:mod:`dpkit.engines.deepspeed.layout`).
     """
     params = [p for p in model.parameters() if p.requires_grad]
+    # A ZeRO-3 parameter built under zero.Init is an empty 1-d placeholder (shape (0,)); its
+    # whole shape is ds_shape (else every weight would land in the no-decay group).
+    matrices = [p for p in params if len(whole_shape(p)) >= 2]
+    others = [p for p in params if len(whole_shape(p)) < 2]
     groups = [
-        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        {"params": matrices, "weight_decay": weight_decay},
+        {"params": others, "weight_decay": 0.0},
     ]
     # An empty group (LoRA's adapters are all matrices) is left out: DeepSpeed drops it,
     # and a scheduler built over two groups then fails on the optimizer's one.

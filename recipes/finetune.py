@@ -100,9 +100,10 @@ def main() -> None:
     # re-planned); another --lr-scheduler or peak lr is refused here.
     train_cfg.check_resumed_schedule(resume, schedule, run.learning_rate)
     set_seed(train_cfg.seed)  # a fresh head, the same on every rank; or the checkpoint's weights
-    model = models.load_pretrained(  # from_pretrained; a new head said in one line
-        AutoModelForSequenceClassification, load_from, **load_kwargs
-    )
+    with run.building_model():  # ZeRO-3: the process group starts, weights load partitioned
+        model = models.load_pretrained(  # from_pretrained; a new head said in one line
+            AutoModelForSequenceClassification, load_from, **load_kwargs
+        )
     if warm_start:  # --init-from: a checkpoint's weights under a new head, a new run
         logger.info("%s", dpkit.init_from(model, warm_start))
     model = run.apply_lora(model)  # --lora-r: adapters train, the pretrained weights frozen

@@ -84,7 +84,8 @@ def main() -> None:
     schedule = train_cfg.schedule(len(tokenized["train"]), run.world_size)
     train_cfg.check_resumed_schedule(resume, schedule, run.learning_rate)
     set_seed(train_cfg.seed)
-    model = models.load_pretrained(AutoModelForCausalLM, load_from, **load_kwargs)  # fp32
+    with run.building_model():  # ZeRO-3: the process group starts, weights load partitioned
+        model = models.load_pretrained(AutoModelForCausalLM, load_from, **load_kwargs)  # fp32
     if warm_start:  # --init-from: a checkpoint's weights, a new run
         logger.info("%s", dpkit.init_from(model, warm_start))
     model = run.apply_lora(model)  # --lora-r: adapters train, the pretrained weights frozen

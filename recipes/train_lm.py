@@ -84,10 +84,9 @@ def main() -> None:
     # Pre-flight: everything that can be wrong with the input, before any process group.
     check_output_dir(workload.output_dir, overwrite=options.overwrite_output_dir)
     hf_config = lm_data.lm_config(workload)
-    model = lm_data.build_lm(hf_config, workload.seed)  # the same weights on every rank and run
     run = dpkit.setup(
         strategy_cfg,
-        model=model,  # ZeRO's buckets are sized to it
+        model=models.build_meta_model(hf_config),  # ZeRO's buckets are sized to its shapes
         micro_batch_size=workload.micro_batch_size,
         gradient_accumulation_steps=options.gradient_accumulation_steps,
         max_grad_norm=workload.max_grad_norm,
@@ -107,7 +106,9 @@ def main() -> None:
     lm_data.check_enough_blocks(
         dataset, workload, run.world_size, options.gradient_accumulation_steps
     )  # still no process group
-    accelerator = run.accelerator  # the process group starts here
+    with run.building_model():  # ZeRO-3: partitioned as it is built (zero.Init)
+        model = lm_data.build_lm(hf_config, workload.seed)  # the same weights every rank and run
+    accelerator = run.accelerator  # the process group starts here (ZeRO-3: above)
     train_loader = DataLoader(dataset, batch_size=workload.micro_batch_size, drop_last=True)
     model = run.apply_lora(model)  # --lora-r: adapters train, the other weights frozen
     optimizer = run.make_optimizer(

@@ -29,7 +29,7 @@ CK_RUN = [
 # Resumed runs are compared by their logs; their own checkpoints and model are not needed.
 LOGS_ONLY = ["--no-save-model", "--no-save-checkpoints"]
 NO_DROPOUT = ["--dropout", "0"]  # runs on different world sizes draw different dropout masks
-YAML_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp2_shard_grad_op", "fsdp2_full_shard")
+YAML_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp2_shard_grad_op", "fsdp2_full_shard")
 YAML = {s: ["--config_file", f"ds_configs/accelerate/{s}.yaml"] for s in YAML_STRATEGIES}
 
 
@@ -69,6 +69,8 @@ REFERENCES = {
         + ["--save-steps", "1", "--save-total-limit", "4", "--no-save-model", "--async-save"],
     ),
     "zero2_no_dropout": ("zero2", 2, ["--micro-batch-size", "16", *NO_DROPOUT, "--no-save-model"]),
+    # ZeRO-3 beside it (tests/test_zero3.py): the same run, the model loaded partitioned.
+    "zero3_no_dropout": ("zero3", 2, ["--micro-batch-size", "16", *NO_DROPOUT]),
     "fsdp2_shard_grad_op": ("fsdp2_shard_grad_op", 2, ["--micro-batch-size", "16"]),
 }
 

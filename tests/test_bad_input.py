@@ -17,7 +17,8 @@ batch identity broken by the JSON           E2E ``batch-identity``; * test_launc
 zero / negative sizes, steps, lr            E2E ``zero-accumulation``, ``negative-lr``;
                                             test_command_line_refused; * test_config
 unknown strategy                            E2E ``unknown-strategy``
-ZeRO stage 0 and 3                          E2E ``zero-stage-0``, E2E accelerate stage 3
+ZeRO stage 0 (stages 1-3 run)               E2E ``zero-stage-0``; test_ds_config_refused
+ZeRO-3 with zero3_init_flag off             E2E accelerate launcher; test_resolve_launch
 FSDP2 with a DeepSpeed JSON, bad layers     E2E ``fsdp2-with-deepspeed-json``,
                                             ``fsdp2-unknown-layer-class``; test_fsdp2
 fp16 on CPU                                 E2E ``fp16-on-cpu``; test_fp16_from_the_launcher
@@ -121,7 +122,7 @@ RECIPE_CASES = [
     (
         "zero-stage-0",
         lambda t: ["--deepspeed", _ds_config(t, "z0.json", zero_optimization={"stage": 0})],
-        "z0.json': zero_optimization.stage=0; dpkit supports 1 and 2",
+        "z0.json': zero_optimization.stage=0; dpkit supports 1, 2 and 3",
     ),
     (
         "batch-identity",
@@ -129,7 +130,12 @@ RECIPE_CASES = [
         "train_batch_size=48 disagrees with the recipe's 16 "
         "(micro_batch 16 x accumulation 1 x world_size 1)",
     ),
-    ("unknown-strategy", lambda t: ["--strategy", "zero3"], "--strategy: invalid choice: 'zero3'"),
+    (
+        "unknown-strategy",
+        lambda t: ["--strategy", "zero4"],
+        "--strategy: invalid choice: 'zero4' (choose from 'auto', 'ddp', 'zero1', 'zero2', "
+        "'zero3', 'fsdp2_shard_grad_op', 'fsdp2_full_shard')",
+    ),
     (
         "fsdp2-with-deepspeed-json",
         lambda t: ["--strategy", "fsdp2_full_shard", "--deepspeed", "ds_configs/zero2.json"],
@@ -303,12 +309,29 @@ def test_deepspeed_launcher_refuses_an_unknown_nested_key(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_accelerate_launcher_refuses_zero_stage_3(tmp_path):
-    path = _ds_config(tmp_path, "z3.json", zero_optimization={"stage": 3})
+def test_accelerate_launcher_refuses_zero3_without_zero_init(tmp_path):
+    """The shipped ZeRO-3 YAML with zero3_init_flag turned off: every rank would load the
+    whole model before DeepSpeed partitions it. Refused when the run resolves, before the
+    process group (it used to fail only once the group was up, while building the model)."""
+    shipped = (REPO / "ds_configs" / "accelerate" / "zero3.yaml").read_text()
+    assert "  zero3_init_flag: true\n" in shipped
+    config = _write(
+        tmp_path,
+        "zero3_no_init.yaml",
+        shipped.replace("  zero3_init_flag: true\n", "  zero3_init_flag: false\n").replace(
+            "ds_configs/zero3.json", str(REPO / "ds_configs" / "zero3.json")
+        ),
+    )
     out = tmp_path / "run"
-    launch = ["--use_deepspeed", "--deepspeed_config_file", path, "--num_processes", "2"]
+    launch = ["--config_file", str(config), "--num_processes", "2"]
     result = run(accelerate_cmd(launch, *ARGS, "--output-dir", str(out)))
-    assert_refused(result, "z3.json': zero_optimization.stage=3; dpkit supports 1 and 2", out)
+    assert_refused(
+        result,
+        "accelerate config zero3_init_flag=false: ZeRO-3 needs zero.Init (dpkit builds the "
+        "model partitioned under it; without it every rank would load the whole model); set "
+        "zero3_init_flag: true (--zero3_init_flag true) or leave it out",
+        out,
+    )
     assert "exitcode  : 2" in result.output  # accelerate (torchrun) itself exits 1
 
 
@@ -396,13 +419,13 @@ def test_malformed_accelerate_yaml(yaml_text, message, tmp_path):
         ),
         pytest.param(
             '{"zero_optimization": {"stage": true}}',
-            "zero_optimization.stage=True; dpkit supports 1 and 2",
+            "zero_optimization.stage=True; dpkit supports 1, 2 and 3",
             id="stage-true",
         ),
         pytest.param(
-            '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 100}}',
-            "zero_optimization.stage=3; dpkit supports 1 and 2",
-            id="stage-3-with-its-keys",
+            '{"zero_optimization": {"stage": 4, "stage3_prefetch_bucket_size": 100}}',
+            "zero_optimization.stage=4; dpkit supports 1, 2 and 3",
+            id="stage-4-with-stage-3-keys",
         ),
         pytest.param("[1, 2]", "must be a JSON object", id="not-an-object"),
     ],
@@ -437,6 +460,19 @@ def test_valid_deepspeed_keys_are_accepted(tmp_path):
     )
     launch = read_launch(StrategyConfig(deepspeed=path), {}, on_cuda=False)
     assert launch.strategy.name == "zero1"
+
+
+def test_stage_3_with_its_own_keys_is_accepted(tmp_path):
+    """A ZeRO-3 JSON with stage-3 keys resolves to zero3 (resolution only: nothing runs)."""
+    path = _write(
+        tmp_path,
+        "ds.json",
+        '{"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 100, '
+        '"stage3_param_persistence_threshold": 1000}}',
+    )
+    launch = read_launch(StrategyConfig(deepspeed=str(path)), {}, on_cuda=False)
+    assert launch.strategy.name == "zero3"
+    assert launch.config_template["zero_optimization"]["stage3_prefetch_bucket_size"] == 100
 
 
 def test_fp16_from_the_launcher_on_cpu():
@@ -482,8 +518,9 @@ def test_command_line_refused(argv, message, capsys, tmp_path):
     ("build", "message"),
     [
         pytest.param(
-            lambda: StrategyConfig(strategy="zero3"),
-            "--strategy='zero3': not one of auto, ddp",
+            lambda: StrategyConfig(strategy="zero4"),
+            "--strategy='zero4': not one of auto, ddp, zero1, zero2, zero3, fsdp2_shard_grad_op, "
+            "fsdp2_full_shard",
             id="strategy",
         ),
         pytest.param(

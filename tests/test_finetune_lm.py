@@ -7,8 +7,8 @@ download); the data are Rotten Tomatoes snippets written as a JSONL of
 processes (each once, checked many ways): DDP under torchrun (saving at step 2),
 ZeRO-2 under the deepspeed launcher, FSDP2 under accelerate launch, a resume of the
 DDP run's step-2 checkpoint under ZeRO-2 at world size 1, and LoRA with packing and
-gradient checkpointing under ZeRO-2, whose adapters ``dpkit consolidate --merge-lora``
-merges. The data's masking and packing are tested by hand-counted examples in
+gradient checkpointing under ZeRO-3 (the model loaded partitioned; docs/zero3.md), whose
+adapters ``dpkit consolidate --merge-lora`` merges. The data's masking and packing are tested by hand-counted examples in
 tests/test_causal_data.py; the refusals here are the recipe's own, before any model loads.
 """
 
@@ -104,7 +104,7 @@ def launched(inputs, module_tmp):
             return python_cmd(*_args(model, data, out), *extra, recipe=RECIPE)
         if name == "lora":
             extra = ("--lora-r", "4", "--packing", "--gradient-checkpointing",
-                     "--deepspeed", "ds_configs/zero2.json")  # fmt: skip
+                     "--deepspeed", "ds_configs/zero3.json")  # fmt: skip
             return deepspeed_cmd(2, *_args(model, data, out, *extra), recipe=RECIPE)
         raise KeyError(name)
 
@@ -214,6 +214,7 @@ def test_lora_packed_checkpointed_adapters_merge_into_the_model_the_run_evaluate
 ):
     result = launched("lora")
     info = result.run_info
+    assert (info["strategy"], info["zero_stage"]) == ("zero3", 3)
     assert info["lora"]["r"] == 4
     assert info["gradient_checkpointing"] is True
     # Packed: 92 training examples became whole 64-token blocks, the remainder dropped.

@@ -511,7 +511,7 @@ def test_zero_settings_follow_the_measurements():
     assert set(cpu2) <= set(memory_settings.REASONS)
 
 
-@pytest.mark.parametrize("bad", [dict(stage=3), dict(world_size=0)])
+@pytest.mark.parametrize("bad", [dict(stage=4), dict(world_size=0)])
 def test_zero_settings_reject_what_they_do_not_cover(bad):
     args = {"world_size": 2, "stage": 2, **bad}
     with pytest.raises(ValueError):

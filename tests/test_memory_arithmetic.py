@@ -186,8 +186,8 @@ def test_settings_refuse_what_they_do_not_cover():
         zero_memory_settings(100, 8, world_size=-1, stage=2)
     assert str(err.value) == "num_params and world_size must be positive, got 100, -1"
     with pytest.raises(ValueError) as err:
-        zero_memory_settings(100, 8, world_size=2, stage=3)
-    assert str(err.value) == "stage must be 1 or 2, got 3"
+        zero_memory_settings(100, 8, world_size=2, stage=4)
+    assert str(err.value) == "stage must be 1, 2 or 3, got 4"
 
 
 @pytest.mark.parametrize(

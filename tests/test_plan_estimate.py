@@ -14,8 +14,10 @@ reserve or headroom (so the totals are the arithmetic alone), per GPU:
   full-shard: 2 GB (a count has no layers to hold whole).
 * ZeRO-2 offload: the bf16 module 2, its 16-bit gradient partition 2/8, the bucket 1:
   3.25 GB; the host 8/8 + 4/8 + the fp32 gradient partition 4/8 = 2 GB per GPU.
-* ZeRO-3: 2/8 + 2/8 + 8/8 + 4/8, the bucket 1, the prefetch bucket (5e7 x 2 B) 0.1, and the
-  step's fp32 gradient partition 4/8: 3.6 GB.
+* ZeRO-3: 2/8 + its gradient partition and the step's fp32 copy (2 + 4)/8 + 8/8 + 4/8, the
+  bucket 1, and the parameters gathered at the end of the forward: every one of the 10^9,
+  as DeepSpeed's default reuse distance (10^9 elements) covers them all, 2 B each, 2:
+  0.25 + 0.75 + 1 + 0.5 + 1 + 2 = 5.5 GB.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ GB = 10**9
 PSI = 10**9
 BY_HAND = {
     "ddp": 18 * GB, "zero1": 6.75 * GB, "zero2": 5.5 * GB, "fsdp2_shard_grad_op": 4 * GB,
-    "fsdp2_full_shard": 2 * GB, "zero2_offload": 3.25 * GB, "zero3": 3.6 * GB,
+    "fsdp2_full_shard": 2 * GB, "zero2_offload": 3.25 * GB, "zero3": 5.5 * GB,
 }  # fmt: skip
 COUNT = ModelSpec(name="1B", source="count", num_params=PSI)
+GATHERED_BY_HAND = 2 * GB  # ZeRO-3's gathered parameters, from the docstring's arithmetic
 
 
 def _count_inputs(**overrides) -> PlanInputs:
@@ -52,10 +55,10 @@ def test_every_row_of_a_count_by_hand():
     assert (offload.optimizer, offload.master, offload.step_parts) == (0, 0, {})
     zero3 = result.row("zero3")
     assert zero3.buffer_parts == {
-        "reduce_bucket": 1 * GB, "gathered_layer": 0, "prefetch_bucket": 0.1 * GB,
+        "reduce_bucket": 1 * GB, "gathered_params": GATHERED_BY_HAND,
         "persistent_small_tensors": 0,
     }  # fmt: skip
-    assert zero3.step_parts == {"fp32_grad_partition": 0.5 * GB}
+    assert zero3.step_parts == {}  # its fp32 gradient copy is among the gradients
     assert result.row("zero1").step_parts == {"flat_grad_partition": 0.25 * GB}
     assert result.row("ddp").buffer_parts == {"ddp_gradient_buckets": 0}
     assert set(result.largest_micro_batches.values()) == {None}  # no activations
@@ -76,14 +79,14 @@ def test_every_row_of_a_count_by_hand():
          "also shards gradients 8 ways (reduce-scatter during backward, still DDP's volume): "
          "the least sharding that fits."),
         (5, "fsdp2_shard_grad_op",
-         "DDP needs 16.8 GiB; ZeRO-1 needs 6.3 GiB; ZeRO-2 needs 5.1 GiB, over the 4.7 GiB "
-         "usable per GPU. FSDP2 shard-grad-op shards parameters, gradients and optimizer "
+         "DDP needs 16.8 GiB; ZeRO-1 needs 6.3 GiB; ZeRO-2 needs 5.1 GiB; ZeRO-3 needs 5.1 "
+         "GiB, over the 4.7 GiB usable per GPU. FSDP2 shard-grad-op shards parameters, gradients and optimizer "
          "state 8 ways between steps and keeps each layer's parameters whole from its forward "
          "to its backward (torch fully_shard: an all-gather and a reduce-scatter per step, "
          "DDP's volume; no DeepSpeed engine): the least sharding dpkit runs that fits."),
         (3, "fsdp2_full_shard",
-         "DDP needs 16.8 GiB; ZeRO-1 needs 6.3 GiB; ZeRO-2 needs 5.1 GiB; FSDP2 shard-grad-op "
-         "needs 3.7 GiB, over the 2.8 GiB usable per GPU. FSDP2 full-shard also frees each "
+         "DDP needs 16.8 GiB; ZeRO-1 needs 6.3 GiB; ZeRO-2 needs 5.1 GiB; ZeRO-3 needs 5.1 "
+         "GiB; FSDP2 shard-grad-op needs 3.7 GiB, over the 2.8 GiB usable per GPU. FSDP2 full-shard also frees each "
          "layer's whole parameters after its forward and all-gathers them again in backward "
          "(1.5x DDP's communication), holding about two layers whole at a time: the least "
          "sharding dpkit runs that fits."),
@@ -291,7 +294,7 @@ def test_buffer_settings_are_dpkits_over_deepspeeds_defaults():
     assert count == {
         "reduce_bucket_size": 500_000_000, "contiguous_gradients": True, "overlap_comm": False,
         "stage3_prefetch_bucket_size": 50_000_000, "stage3_param_persistence_threshold": 100_000,
-        "gradient_as_bucket_view": True,
+        "stage3_max_reuse_distance": 1_000_000_000, "gradient_as_bucket_view": True,
     }  # fmt: skip
     gpt2 = plan.buffer_settings(plan_inputs.load_model("gpt2"), 8)
     assert (gpt2["reduce_bucket_size"], gpt2["allgather_bucket_size"]) == (2**21, 2**21)
@@ -364,12 +367,18 @@ def test_buffers_by_engine_and_setting():
         assert plan.buffer_bytes(strategy, spec, 2, "fp32", settings) == {"reduce_bucket": 800}
     one = settings | {"overlap_comm": False}
     assert plan.buffer_bytes("zero2", spec, 2, "bf16", one) == {"reduce_bucket": 200}
-    # ZeRO-3: one bucket either way, the largest layer gathered with its 16-bit gradient,
-    # the prefetch bucket, the small tensors every rank keeps.
-    assert plan.buffer_bytes("zero3", spec, 2, "bf16", settings) == {
-        "reduce_bucket": 200, "gathered_layer": 2 * 2 * 300, "prefetch_bucket": 100,
-        "persistent_small_tensors": 80,
+    # ZeRO-3: one bucket, only with contiguous_gradients; the parameters gathered at the
+    # end of the forward: the sharded ones (1000 - 40 small), at most the reuse distance +
+    # the prefetch bucket + the largest layer (here 10 + 50 + 300 = 360 elements); the small
+    # tensors every rank keeps, all in bf16.
+    zero3 = settings | {"contiguous_gradients": True, "stage3_max_reuse_distance": 10}
+    assert plan.buffer_bytes("zero3", spec, 2, "bf16", zero3) == {
+        "reduce_bucket": 200, "gathered_params": 2 * 360, "persistent_small_tensors": 80,
     }  # fmt: skip
+    wide = zero3 | {"stage3_max_reuse_distance": 10_000}  # the whole sharded model
+    assert plan.buffer_bytes("zero3", spec, 2, "bf16", wide)["gathered_params"] == 2 * 960
+    off = zero3 | {"contiguous_gradients": False}
+    assert plan.buffer_bytes("zero3", spec, 2, "bf16", off)["reduce_bucket"] == 0
 
 
 def test_zero_buffers_follow_the_parameter_layout():
@@ -410,7 +419,7 @@ def test_zero_buffers_follow_the_parameter_layout():
         ("zero2", "fp32", False, {"flat_grad_partition": 4 * 1000 / 4}),
         ("zero2", "bf16", True, {}),  # part of the laid-out gradients instead
         ("zero2_offload", "bf16", False, {}),  # built in host memory
-        ("zero3", "bf16", False, {"fp32_grad_partition": 4 * 1000 / 4}),
+        ("zero3", "bf16", False, {}),  # its fp32 copy is among the gradients
         ("ddp", "bf16", False, {}),  # fused AdamW updates in place
         ("fsdp2_full_shard", "bf16", False, {}),
     ],
@@ -446,8 +455,9 @@ def test_the_worst_ranks_backward_and_step_may_be_on_different_ranks():
         model=spec, gpus_per_node=2, precision="fp32", reserve=0, gradient_accumulation_steps=2
     )
     assert plan.estimate(two, "zero2", 1, None, settings).grads_backward == 4 * 48
-    # Not laid out: DDP (its 4 Psi), ZeRO-3 and offload (the paper's), a bare count.
-    for strategy, grads in (("ddp", 128), ("zero3", 64), ("zero2_offload", 64)):
+    # Not laid out: DDP (its 4 Psi), ZeRO-3 (its partition and the step's fp32 copy of it,
+    # twice the paper's in fp32), offload (the paper's), a bare count.
+    for strategy, grads in (("ddp", 128), ("zero3", 2 * 64), ("zero2_offload", 64)):
         other = plan.estimate(inputs, strategy, 1, None, settings)
         assert (other.grads, other.grads_backward, other.grads_step) == (grads, None, None)
         assert other.grads_where == ""

@@ -58,7 +58,8 @@ def test_sharded_states_summed_over_ranks_equal_the_replicated_ones(psi, n, prec
     assert ddp.master == 0
     assert zero["zero1"].params == zero["zero2"].params == module_bytes * psi
     assert n * zero["zero3"].params == pytest.approx(module_bytes * psi, rel=REL)
-    assert n * zero["zero3"].grads == pytest.approx(module_bytes * psi, rel=REL)
+    # ZeRO-3's gradient partition and the step's fp32 copy of it (made even in fp32).
+    assert n * zero["zero3"].grads == pytest.approx((module_bytes + 4) * psi, rel=REL)
     if precision == "fp32":
         assert zero["zero1"].grads == 4 * psi
         assert n * zero["zero2"].grads == pytest.approx(4 * psi, rel=REL)
@@ -76,9 +77,11 @@ SHARDING = ("zero1", "zero2", "zero3", "fsdp2_shard_grad_op", "fsdp2_full_shard"
 @given(psi=psis, n=world_sizes, precision=precisions, optimizer=optimizers)
 def test_more_ranks_never_hold_more_and_later_stages_never_hold_more(psi, n, precision, optimizer):
     """Per rank, a sharding strategy's total does not grow with N (its savings against full
-    replication do not shrink), DDP's does not move, and ZeRO-3 <= ZeRO-2 <= ZeRO-1 <= DDP
-    at any N (ZeRO-1's 16-bit gradients are whole, ZeRO-2's a partition plus its fp32 cast),
-    and ZeRO-1 at most DDP's plus what DeepSpeed adds."""
+    replication do not shrink), DDP's does not move, and ZeRO-2 <= ZeRO-1 <= DDP at any N
+    (ZeRO-1's 16-bit gradients are whole, ZeRO-2's a partition plus its fp32 cast), ZeRO-3
+    <= ZeRO-2 from 2 ranks (on one, fp32, ZeRO-3's step copies its gradient partition and
+    ZeRO-2's does not: measured 173.2 MiB of gradients for MiniLM's 22.7M parameters), and
+    ZeRO-1 at most DDP's plus what DeepSpeed adds."""
 
     def total(strategy, ranks):
         return model_state_bytes(psi, strategy, ranks, precision, optimizer).total
@@ -92,7 +95,9 @@ def test_more_ranks_never_hold_more_and_later_stages_never_hold_more(psi, n, pre
         assert saved[1] >= saved[0] - REL * psi, strategy
     assert total("ddp", n) == total("ddp", 1)
     order = [total(s, n) for s in ("zero3", "zero2", "zero1")]
-    assert order == sorted(order)
+    assert order[1:] == sorted(order[1:])
+    if n >= 2:
+        assert order[0] <= order[1] * (1 + REL)
     # Beyond DDP's states DeepSpeed adds only its fp32 master partition and, in mixed
     # precision, the fp32 cast of the gradient partition (4 bytes x Psi/N each).
     extra = 4 * psi / n + (4 * psi / n if precision != "fp32" else 0)

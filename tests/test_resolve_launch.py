@@ -75,7 +75,7 @@ def test_ddp_by_the_flag_says_so():
     )
 
 
-@pytest.mark.parametrize("stage", ["1", "2"])
+@pytest.mark.parametrize("stage", ["1", "2", "3"])
 def test_accelerate_deepspeed_without_a_file_runs_dpkits_json_for_its_stage(stage):
     env = {
         **ACCELERATE_DS,
@@ -113,7 +113,7 @@ def test_the_same_json_from_the_flag_and_the_launcher_runs_the_flags():
     assert choice.source == f"--deepspeed {ZERO2}"
 
 
-@pytest.mark.parametrize("name", ["zero1", "zero2"])
+@pytest.mark.parametrize("name", ["zero1", "zero2", "zero3"])
 def test_a_zero_flag_under_torchrun_runs_dpkits_json(name):
     choice = launch(name, None, {"WORLD_SIZE": "4"})
     assert (choice.strategy.name, choice.source) == (name, f"--strategy {name}")
@@ -246,14 +246,20 @@ def test_the_layer_classes_an_fsdp_launch_names():
             id="json-under-fsdp",
         ),
         pytest.param(
-            "auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
-            "accelerate launch --zero_stage 3: dpkit supports ZeRO stages 1 and 2",
-            id="stage3",
+            "auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "4"},
+            "accelerate launch --zero_stage 4: dpkit supports ZeRO stages 1, 2 and 3",
+            id="stage4",
         ),
         pytest.param(
             "auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "0"},
-            "accelerate launch --zero_stage 0: dpkit supports ZeRO stages 1 and 2",
+            "accelerate launch --zero_stage 0: dpkit supports ZeRO stages 1, 2 and 3",
             id="stage0",
+        ),
+        pytest.param(
+            "zero2", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"},
+            "--strategy=zero2 conflicts with accelerate launch (DeepSpeed) (zero3): drop one of "
+            "them",
+            id="zero-flag-vs-accelerate-stage3",
         ),
         pytest.param(
             "auto", ZERO2, ACCELERATE_DDP,
@@ -521,7 +527,7 @@ def test_a_yaml_path_found_nowhere_names_the_key(tmp_path, monkeypatch):
     assert str(refused.value) == (
         "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)='conf/mine.json': no such "
         "file in the current directory, and not one of dpkit's shipped configs "
-        "(zero1.json, zero2.json)"
+        "(zero1.json, zero2.json, zero3.json)"
     )
 
 
@@ -559,3 +565,62 @@ def test_offload_in_accelerates_settings_is_refused_when_the_run_resolves(tmp_pa
         "accelerate config offload_optimizer_device=cpu: dpkit does not set up offload from "
         "accelerate's settings; put offload_optimizer in the DeepSpeed JSON"
     )
+
+
+# ---- ZeRO-3 and accelerate's zero3_init_flag ----------------------------------------------------
+
+_TINY = {"num_params": 1000, "hidden_size": 8, "largest_param_numel": 64}
+
+
+def _resolve_zero3(tmp_path, monkeypatch, **settings):
+    """A ZeRO-3 launch as accelerate leaves it (ds_configs/accelerate/zero3.yaml, plus
+    ``settings``), resolved in process: the engine's configure step, no process group."""
+    from dpkit.models import ModelSizes
+    from dpkit.train.resolution import resolve
+
+    monkeypatch.chdir(tmp_path)
+    env = {**ACCELERATE_DS_ENV, "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero3.json"}
+    return resolve(model=ModelSizes(**_TINY), micro_batch_size=2, env={**env, **settings})
+
+
+@pytest.mark.parametrize("value", [None, "true", "True", "1", "yes"])
+def test_zero3_with_zero_init_on_or_unset_resolves(value, tmp_path, monkeypatch):
+    """accelerate writes ``str(flag).lower()``; unset, it turns zero.Init on for stage 3."""
+    settings = {} if value is None else {"ACCELERATE_DEEPSPEED_ZERO3_INIT": value}
+    resolution = _resolve_zero3(tmp_path, monkeypatch, **settings)
+    assert resolution.strategy.name == "zero3"
+    assert resolution.settings.ds_config["zero_optimization"]["stage"] == 3
+
+
+@pytest.mark.parametrize(("value", "shown"), [("false", "false"), ("False", "false"), ("0", "0")])
+def test_zero3_without_zero_init_is_refused_when_the_run_resolves(
+    value, shown, tmp_path, monkeypatch
+):
+    """Refused while the DeepSpeed engine builds its settings, before any process group (it
+    used to be refused only after the group had started, while the model was built)."""
+    settings = {"ACCELERATE_DEEPSPEED_ZERO3_INIT": value}
+    assert refusal(_resolve_zero3, tmp_path, monkeypatch, **settings) == (
+        f"accelerate config zero3_init_flag={shown}: ZeRO-3 needs zero.Init (dpkit builds the "
+        "model partitioned under it; without it every rank would load the whole model); set "
+        "zero3_init_flag: true (--zero3_init_flag true) or leave it out"
+    )
+    garbled = {"ACCELERATE_DEEPSPEED_ZERO3_INIT": "maybe"}
+    assert refusal(_resolve_zero3, tmp_path, monkeypatch, **garbled) == (
+        "accelerate config zero3_init_flag='maybe' (ACCELERATE_DEEPSPEED_ZERO3_INIT): not true "
+        "or false"
+    )
+
+
+def test_zero_init_off_below_stage_3_is_not_refused(tmp_path, monkeypatch):
+    """zero.Init is ZeRO-3's (accelerate turns the flag off below stage 3 itself)."""
+    from dpkit.models import ModelSizes
+    from dpkit.train.resolution import resolve
+
+    monkeypatch.chdir(tmp_path)
+    env = {
+        **ACCELERATE_DS_ENV,
+        "ACCELERATE_DEEPSPEED_CONFIG_FILE": "ds_configs/zero2.json",
+        "ACCELERATE_DEEPSPEED_ZERO3_INIT": "false",
+    }
+    resolution = resolve(model=ModelSizes(**_TINY), micro_batch_size=2, env=env)
+    assert resolution.strategy.name == "zero2"

@@ -19,6 +19,7 @@ from tests.harness import REPO
 
 ZERO1 = str(REPO / "ds_configs" / "zero1.json")
 ZERO2 = str(REPO / "ds_configs" / "zero2.json")
+ZERO3 = str(REPO / "ds_configs" / "zero3.json")
 ACCELERATE_DS = {
     "ACCELERATE_USE_DEEPSPEED": "true",
     "ACCELERATE_DYNAMO_BACKEND": "NO",
@@ -69,6 +70,10 @@ def test_zero_configs_differ_only_in_the_stage():
         ("zero2", ZERO2, {"WORLD_SIZE": "2"}, "zero2"),
         ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO1}, "zero1"),
         ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "zero2"),
+        ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "zero3"),
+        ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO3}, "zero3"),
+        ("auto", ZERO3, {"WORLD_SIZE": "2"}, "zero3"),  # deepspeed launcher
+        ("zero3", None, {"WORLD_SIZE": "2"}, "zero3"),  # torchrun + flag
         ("auto", None, {"ACCELERATE_DYNAMO_BACKEND": "NO", "WORLD_SIZE": "2"}, "ddp"),
     ],
 )
@@ -101,7 +106,8 @@ def test_strategy_comes_from_flag_or_launcher(flag, deepspeed, env, expected):
             {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_CONFIG_FILE": ZERO2},
             "is ZeRO-1 but",
         ),
-        ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"}, "--zero_stage 3"),
+        ("auto", None, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "4"}, "--zero_stage 4"),
+        ("auto", ZERO3, {**ACCELERATE_DS, "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2"}, "is ZeRO-3 but"),
         ("auto", None, {"ACCELERATE_USE_FSDP": "true"}, "fsdp_version=1: dpkit runs FSDP2"),
         (
             "auto",
@@ -117,11 +123,21 @@ def test_conflicts_are_one_line_errors(flag, deepspeed, env, message):
     assert "\n" not in str(err.value)
 
 
-def test_unsupported_stage_in_json(tmp_path):
+def test_the_stage_in_a_json_picks_the_strategy_or_is_refused(tmp_path):
+    """Stage 3 in a user's JSON resolves to zero3 (resolution only: nothing is launched);
+    stages DeepSpeed has but dpkit does not run are refused, naming the stages it does."""
     path = tmp_path / "z3.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
-    with pytest.raises(UsageError, match=r"zero_optimization.stage=3"):
-        resolve_strategy("auto", str(path), {})
+    assert resolve_strategy("auto", str(path), {}).strategy.name == "zero3"
+    for stage in (0, 4):
+        path = tmp_path / f"z{stage}.json"
+        path.write_text(json.dumps({"zero_optimization": {"stage": stage}}))
+        with pytest.raises(UsageError) as refused:
+            resolve_strategy("auto", str(path), {})
+        assert str(refused.value) == (
+            f"deepspeed config {str(path)!r}: zero_optimization.stage={stage}; "
+            "dpkit supports 1, 2 and 3"
+        )
 
 
 def test_malformed_json(tmp_path):
@@ -381,13 +397,23 @@ def test_the_zero_stage_is_read_from_its_section_only():
     from dpkit.engines.deepspeed.config import zero_stage_of
 
     assert zero_stage_of({"zero_optimization": {"stage": 2}}, "z.json") == 2
-    for config in ({}, {"zero_optimization": 2}, {"zero_optimization": {"stage": 3}}):
+    assert zero_stage_of({"zero_optimization": {"stage": 3}}, "z.json") == 3
+    refused_configs = (
+        {},
+        {"zero_optimization": 2},
+        {"zero_optimization": {"stage": 0}},
+        {"zero_optimization": {"stage": 4}},
+        {"zero_optimization": {"stage": True}},
+        {"stage": 3},  # the stage outside its section
+    )
+    for config in refused_configs:
         stage = config.get("zero_optimization", {})
         shown = stage.get("stage") if isinstance(stage, dict) else None
         with pytest.raises(UsageError) as refused:
             zero_stage_of(config, "z.json")
         assert str(refused.value) == (
-            f"deepspeed config 'z.json': zero_optimization.stage={shown!r}; dpkit supports 1 and 2"
+            f"deepspeed config 'z.json': zero_optimization.stage={shown!r}; "
+            "dpkit supports 1, 2 and 3"
         )
 
 

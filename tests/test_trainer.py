@@ -474,7 +474,8 @@ def test_deepspeed_config_leaves_every_auto_the_trainer_fills():
     [
         (
             {"zero_optimization": {"stage": 3}},
-            "deepspeed config '<dict>': zero_optimization.stage=3; dpkit supports 1 and 2",
+            "deepspeed config '<dict>': zero_optimization.stage=3: dpkit's Trainer "
+            "integration runs ZeRO stages 1 and 2",
         ),
         (
             {"zero_optimization": {"stage": 2}, "steps_per_print": "auto"},
@@ -510,7 +511,7 @@ def test_deepspeed_config_leaves_every_auto_the_trainer_fills():
         (
             "no/such/config.json",
             "deepspeed_config(config=...)='no/such/config.json': no such file in the current "
-            "directory, and not one of dpkit's shipped configs (zero1.json, zero2.json)",
+            "directory, and not one of dpkit's shipped configs (zero1.json, zero2.json, zero3.json)",
         ),
     ],
 )

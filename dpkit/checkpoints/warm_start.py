@@ -38,11 +38,13 @@ def check_init_from(path: str, resume: str | None) -> Path:
 def init_from(model: Any, path: str | Path) -> str:
     """Copy into ``model`` every weight of the checkpoint at ``path`` that it has under the
     same name and shape (read on this process, one tensor at a time for a sharded
-    checkpoint); returns the log line saying what was left as built."""
+    checkpoint; a ZeRO-3 model built partitioned is gathered one parameter at a time and
+    written from the main process); returns the log line saying what was left as built."""
     import torch
 
     from dpkit.checkpoints.resume import saved_shapes
     from dpkit.core import shards
+    from dpkit.core.params import whole_shape, whole_to_write
 
     path = Path(path)
     own = dict(model.named_parameters())
@@ -65,10 +67,12 @@ def init_from(model: Any, path: str | Path) -> str:
         for name, tensor in own.items():
             if name not in saved:
                 continue
-            if saved[name] != list(tensor.shape):
-                other_shape.append(f"{name} {saved[name]} -> {list(tensor.shape)}")
+            shape = list(whole_shape(tensor))
+            if saved[name] != shape:
+                other_shape.append(f"{name} {saved[name]} -> {shape}")
                 continue
-            tensor.copy_(read(name))
+            with whole_to_write(tensor):  # ZeRO-3: gathered, one parameter at a time
+                tensor.copy_(read(name))
             copied.append(name)
     if not copied:
         raise UsageError(

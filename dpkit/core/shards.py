@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from dpkit.core.params import whole_shape
+
 SHARDS = "shards"
 """The checkpoint's sub-folder DCP writes into (``.metadata`` and ``__<rank>_<i>.distcp``)."""
 TENSORS_FILE = "tensors.json"
@@ -431,7 +433,7 @@ def tensor_index(module: torch.nn.Module) -> dict[str, tuple[list[int], str, boo
     ``module``: each parameter once (tied ones under their first name), persistent buffers."""
     found = {}
     for name, param in module.named_parameters():
-        found[name] = (list(param.shape), _saved_dtype(param), param.requires_grad)
+        found[name] = (list(whole_shape(param)), _saved_dtype(param), param.requires_grad)
     for name, buffer in persistent_buffers(module).items():
         found[name] = (list(buffer.shape), _saved_dtype(buffer), False)
     return found

@@ -19,7 +19,7 @@ class Strategy:
 
     name: str
     """The flag value and file stem: ``ddp``, ``zero1``, ``zero2``, ``fsdp2_shard_grad_op``,
-    ``fsdp2_full_shard`` (and, for ``dpkit plan`` only, ``zero2_offload``, ``zero3``)."""
+    ``fsdp2_full_shard``, ``zero3`` (and, for ``dpkit plan`` only, ``zero2_offload``)."""
     label: str
     """How tables and logs show it: ``DDP``, ``ZeRO-1``..."""
     backend: str
@@ -34,6 +34,9 @@ class Strategy:
     ZeRO-3's semantics); otherwise they stay whole until the backward."""
     runnable: bool = True
     """dpkit's recipes run it; ``False``: ``dpkit plan`` shows it for reference."""
+    benched: bool = True
+    """``dpkit tune`` and ``dpkit bench`` try it (a runnable strategy whose bare twin is
+    not written yet: ``False``)."""
     summary: str = ""
     """What it holds per rank, in a few words."""
 

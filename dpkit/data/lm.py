@@ -178,12 +178,27 @@ def lm_config(workload: LMWorkload) -> Any:
 
 
 def build_lm(config: Any, seed: int) -> Any:
-    """Random-initialised causal LM; the same weights on every rank and in every run."""
+    """Random-initialised causal LM; the same weights on every rank, in every run and under
+    every strategy: the model's own init (``_init_weights``) drawn from ``seed``, and
+    nothing else. Under ZeRO-3 (transformers' ``HfDeepSpeedConfig`` alive, inside
+    ``run.building_model()``) ``from_config`` builds it under ``zero.Init`` with torch's
+    constructor inits off, then rank 0 runs that init on each gathered module
+    (``initialize_weights_zero3``); elsewhere the same draws in the same order: torch's
+    constructor inits off, then ``initialize_weights`` from the seed (measured: equal to
+    the last bit; a plain ``from_config`` draws the constructor inits first and differs)."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.initialization import no_init_weights
+    from transformers.integrations import is_deepspeed_zero3_enabled
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
+    if is_deepspeed_zero3_enabled():
+        model = AutoModelForCausalLM.from_config(config)
+    else:
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(config)
+        model.initialize_weights()
+        model.tie_weights()
     if getattr(model, "loss_type", "") is None:
         # transformers finds no loss by the class name "GPT2LMHeadModel", warns once per
         # rank and falls back to the causal-LM loss: name that loss and skip the warning.

@@ -40,11 +40,14 @@ STRATEGIES: Mapping[str, Strategy] = MappingProxyType(
 least sharding first, then FSDP2."""
 RUNNABLE: tuple[Strategy, ...] = tuple(s for s in STRATEGIES.values() if s.runnable)
 """The strategies the recipes run."""
+BENCHABLE: tuple[Strategy, ...] = tuple(s for s in RUNNABLE if s.benched)
+"""The strategies ``dpkit tune`` and ``dpkit bench`` try (not yet ZeRO-3: its bare
+DeepSpeed twin must build the model under ``zero.Init`` as the recipes do)."""
 REFERENCE: Strategy = DDP_ENGINE.strategies[0]
 """Full replication: what every saving is measured against and every loss compared with."""
 TRAINER_STRATEGIES: tuple[Strategy, ...] = (
     REFERENCE,
-    *(s for s in DEEPSPEED_ENGINE.strategies if s.runnable and not s.offload),
+    *(s for s in DEEPSPEED_ENGINE.strategies if s in BENCHABLE and not s.offload),
 )
 """The strategies the Transformers ``Trainer`` baseline of ``dpkit bench --workload
 classification`` runs (the Trainer's FSDP path needs accelerator devices)."""
@@ -78,6 +81,7 @@ def offloaded(strategy: Strategy) -> Strategy:
 
 
 __all__ = [
+    "BENCHABLE",
     "ENGINES",
     "REFERENCE",
     "RUNNABLE",

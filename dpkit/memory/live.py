@@ -292,13 +292,19 @@ class PeakLive:
     own work).
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any, engine: Any, device: Any) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: Any, engine: Any, device: Any, from_step: int = 1
+    ) -> None:
+        """``from_step``: the optimizer step watched (the engine's steady step: 2 under
+        ZeRO-3, whose first step records its parameter trace)."""
         self.model = model
         self.optimizer = optimizer
         self.engine = engine
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.live: LiveTensors | None = None
         self.result: dict[str, Any] | None = None
+        self.from_step = from_step
+        self._steps_before = 0
         self.phase = "forward"
         self.probe_point: str | None = None
         self._modules: list[str] = []
@@ -313,6 +319,13 @@ class PeakLive:
         self._cuda_at_start: float | None = None
         self._torch_opt = inner_torch_optimizer(optimizer)
         self._batch: dict[str, int] | None = None
+        if from_step > 1 and self._torch_opt is not None:
+            # Counted by the optimizer itself: a loop of one's own need not report its steps.
+            self._handles.append(self._torch_opt.register_step_post_hook(self._stepped))
+
+    def _stepped(self, *_: Any) -> None:
+        if self.live is None:
+            self._steps_before += 1
 
     # ---- the window ---------------------------------------------------------------------
 
@@ -321,7 +334,11 @@ class PeakLive:
         return self.live is not None and self.result is None
 
     def _open(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if not module.training or not torch.is_grad_enabled():
+        if (
+            self._steps_before + 1 < self.from_step
+            or not module.training
+            or not torch.is_grad_enabled()
+        ):
             return
         if self.live is not None:
             if self.open:  # a later micro-batch of the measured step: its own shape

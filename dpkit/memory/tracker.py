@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dpkit.core.categories import MODEL_STATES
+from dpkit.core.params import whole_numel, whole_shape
 from dpkit.core.strategy import Strategy
 from dpkit.core.units import canonical_precision
 from dpkit.core.walk import unwrap_module, walk
@@ -54,13 +55,15 @@ def param_shapes(model: torch.nn.Module, trainable: bool = True) -> list[list[in
     each once (``parameters()`` yields a tied one once; an FSDP2 shard reports its whole
     tensor's shape)."""
     return [
-        list(p.shape) for p in unwrap_module(model).parameters() if p.requires_grad == trainable
+        list(whole_shape(p))
+        for p in unwrap_module(model).parameters()
+        if p.requires_grad == trainable
     ]
 
 
 def count_frozen_params(model: torch.nn.Module) -> int:
     """Parameters of the unwrapped module that do not train (LoRA's frozen weights)."""
-    return sum(p.numel() for p in unwrap_module(model).parameters() if not p.requires_grad)
+    return sum(whole_numel(p) for p in unwrap_module(model).parameters() if not p.requires_grad)
 
 
 def largest_param(model: torch.nn.Module) -> dict[str, Any] | None:
@@ -68,11 +71,11 @@ def largest_param(model: torch.nn.Module) -> dict[str, Any] | None:
     named = list(unwrap_module(model).named_parameters())
     if not named:
         return None
-    name, param = max(named, key=lambda item: item[1].numel())
+    name, param = max(named, key=lambda item: whole_numel(item[1]))
     return {
         "name": name,
-        "numel": int(param.numel()),
-        "bytes": param.numel() * param.element_size(),
+        "numel": whole_numel(param),
+        "bytes": whole_numel(param) * param.element_size(),
     }
 
 
@@ -245,7 +248,11 @@ class MemoryTracker:
         self.precision = canonical_precision(precision)
         self.optimizer_name = optimizer_name
         self.offload_optimizer = offload_optimizer
-        self.probe_steps = probe_steps
+        # A backend whose first step is not yet its steady one (ZeRO-3 records its
+        # parameter trace in step 1 and gathers ahead only from step 2) is probed up to
+        # the steady step, and its live bytes are watched there.
+        self.steady_step = engine_of(self.strategy).memory.steady_step(optimizer)
+        self.probe_steps = max(probe_steps, self.steady_step) if probe_steps > 0 else probe_steps
         self.model_record = model_record
         self._steps_seen = 0
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
@@ -260,7 +267,11 @@ class MemoryTracker:
         # operator a Python call), named by the probes' walks; none without probes.
         self.peak_live = (
             PeakLive(
-                model, optimizer, engine_of(self.strategy), getattr(accelerator, "device", None)
+                model,
+                optimizer,
+                engine_of(self.strategy),
+                getattr(accelerator, "device", None),
+                from_step=self.steady_step,
             )
             if self.probes is not None
             else None

@@ -23,6 +23,7 @@ from typing import Any
 
 from dpkit.core.categories import MODEL_STATES
 from dpkit.core.spec import ModelSpec, PlanInputs
+from dpkit.core.step import PeakPoint
 from dpkit.core.units import canonical_precision
 from dpkit.engines import ENGINES, engine_of, get_strategy, offloaded
 from dpkit.errors import UsageError
@@ -230,6 +231,12 @@ def _peak(
     return step_peak(inputs, row.strategy, row, trace, settings, on_gpu=on_gpu), measured, ""
 
 
+def _watched(peak: StepPeak, measured: dict[str, Any]) -> PeakPoint:
+    """The predicted peak of the step ``peak_live`` watched: the first, or a later one (an
+    engine whose first step differs, ZeRO-3's, is watched at its second)."""
+    return peak.first if int(measured.get("step") or 1) <= 1 else peak.later
+
+
 def _accumulation(run_dir: Path, report: dict[str, Any]) -> int:
     """The run's micro-batches per step: a recipe's run_info.json, a Trainer report's
     model record; 1 where neither says (reports written before either recorded it)."""
@@ -336,7 +343,8 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     if peak is None or peak_measured is None:
         not_predicted["peak"] = why_not
     else:
-        predicted["peak"], measured["peak"] = peak.first.bytes, float(peak_measured["bytes"])
+        predicted["peak"] = _watched(peak, peak_measured).bytes
+        measured["peak"] = float(peak_measured["bytes"])
     return PlanCheck(
         run_dir=run_dir,
         model=model_name,
@@ -420,7 +428,8 @@ def _peak_lines(check: PlanCheck) -> list[str]:
     peak, measured = check.peak, check.peak_measured
     if peak is None or measured is None:
         return []
-    first, later = peak.first, peak.later
+    first, later = _watched(peak, measured), peak.later
+    step = int(measured.get("step") or 1)
     trace = peak.trace
     parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in first.parts.items() if v >= 0.05 * MIB)
     seen = ", ".join(
@@ -430,7 +439,7 @@ def _peak_lines(check: PlanCheck) -> list[str]:
     )
     which = "the batch it measured" if measured.get("batch") else "its batch is not recorded"
     lines = [
-        f"peak: live tensor bytes of the run's first step at micro-batch {trace.micro_batch} x "
+        f"peak: live tensor bytes of the run's step {step} at micro-batch {trace.micro_batch} x "
         f"{trace.seq_len} tokens ({which}); no --reserve in it",
         f"  predicted at {first.point}: {parts}",
         f"  measured on rank {measured.get('rank')} at {measured.get('point')} "
@@ -440,10 +449,12 @@ def _peak_lines(check: PlanCheck) -> list[str]:
         lines.append(
             f"  the points differ: predicted {first.point}, measured {measured.get('point')}"
         )
-    lines.append(
-        f"  later steps (AdamW's state alive from the start), predicted: {later.bytes / MIB:.1f} "
-        f"MiB at {later.point} (not measured: peak_live watches the first step)"
-    )
+    if step <= 1:
+        lines.append(
+            f"  later steps (AdamW's state alive from the start), predicted: "
+            f"{later.bytes / MIB:.1f} MiB at {later.point} (not measured: peak_live watched "
+            "the first step)"
+        )
     return lines
 
 

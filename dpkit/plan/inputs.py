@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit import resources
+from dpkit.core.params import whole_numel, whole_shape
 from dpkit.core.spec import ModelSpec
 from dpkit.errors import UsageError
 from dpkit.models import adamw_param_groups, build_meta_model
@@ -206,7 +207,10 @@ def spec_from_model(
     # (dpkit.models.count_parameters keys on data_ptr, which is 0 for every meta tensor).
     params = list(model.parameters())
     largest = max(
-        (sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()),
+        (
+            sum(whole_numel(p) for p in module.parameters(recurse=False))
+            for module in model.modules()
+        ),
         default=0,
     )
     if param_groups is None:
@@ -226,8 +230,8 @@ def spec_from_model(
     return ModelSpec(
         name=name,
         source=source,
-        num_params=sum(p.numel() for p in params if p.requires_grad),
-        frozen_params=sum(p.numel() for p in params if not p.requires_grad),
+        num_params=sum(whole_numel(p) for p in params if p.requires_grad),
+        frozen_params=sum(whole_numel(p) for p in params if not p.requires_grad),
         trainable=tuple(p.requires_grad for p in params) if frozen else (),
         lora=lora,
         config=config if config is not None else getattr(model, "config", None),
@@ -235,7 +239,7 @@ def spec_from_model(
         gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
         param_groups=tuple(tuple(p.numel() for p in group) for group in param_groups),
         param_order=tuple(where[id(p)] for p in params if id(p) in where),
-        param_shapes=tuple(tuple(int(d) for d in p.shape) for p in params),
+        param_shapes=tuple(whole_shape(p) for p in params),
         # init_empty_weights leaves buffers real, so their sizes are known on meta too.
         module_buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         task=task,

@@ -201,6 +201,12 @@ class Run:
 
     # ---- building what prepare takes ---------------------------------------------------
 
+    def building_model(self) -> Any:
+        """``with run.building_model(): model = ...from_pretrained(...)``: the context the
+        strategy builds a model in. ZeRO-3 starts the Accelerator (the process group) here,
+        so that the model is partitioned as it loads; every other strategy: nothing."""
+        return self.engine.building_model(self)
+
     def apply_lora(self, model: Any) -> Any:
         """With ``--lora-r``: ``model`` with LoRA adapters (peft; :mod:`dpkit.lora`), its
         pretrained weights frozen; without: ``model`` as it is. Call it after loading the

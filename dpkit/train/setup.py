@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dpkit.engines import engine_of
 from dpkit.errors import UsageError
 from dpkit.train.config import RunOptions, StrategyConfig, config_dict
 from dpkit.train.logs import log_once_per_job
@@ -76,6 +77,9 @@ def setup(
             scale_lr=options.scale_lr,
             weight_decay=options.weight_decay,
             lora=lora,
+        )
+        engine_of(resolution.strategy).check_options(
+            resolution.strategy, checkpoint_format=options.checkpoint_format
         )
         if args.gradient_checkpointing and is_module(model):
             from dpkit.models import check_gradient_checkpointing

@@ -5,6 +5,7 @@ another world size."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -75,6 +76,32 @@ def _partitioned(zero: Any) -> dict[int, Any]:
     return {id(p): p for group in zero.bit16_groups for p in group}
 
 
+def _stage3(optimizer: Any) -> Any | None:
+    """DeepSpeed's ZeRO-3 optimizer behind accelerate's wrapper (it partitions the
+    parameters themselves: each holds a ``ds_tensor`` slice and a ``ds_id``), or None."""
+    from dpkit.core.walk import unwrap_optimizer
+
+    owner = unwrap_optimizer(optimizer)
+    return owner if hasattr(owner, "fp32_partitioned_groups_flat") else None
+
+
+def _stage3_slices(module: torch.nn.Module) -> Iterator[tuple[str, Any, int, int]]:
+    """(name, parameter, offset, length) of this rank's slice of every ZeRO-3 parameter:
+    rank r holds elements ``[r * p, (r + 1) * p)`` of the flattened parameter, ``p`` its
+    ``ds_tensor``'s size (the last rank's slice is padded past ``ds_numel``: cut here)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0  # ZeRO-3 partitions over the DP group
+    for name, param in module.named_parameters():
+        if not hasattr(param, "ds_id"):
+            continue
+        size = param.ds_tensor.ds_numel
+        offset = rank * size
+        length = max(0, min(size, param.ds_numel - offset))
+        if length:
+            yield name, param, offset, length
+
+
 class DeepSpeedCheckpoints(CheckpointIO):
     """DeepSpeed ZeRO's checkpoint I/O: fp32 masters and moments gathered per parameter from the partitions (the fragment API), put back re-sharded."""
 
@@ -92,11 +119,17 @@ class DeepSpeedCheckpoints(CheckpointIO):
     def full_weights(self, accelerator: Accelerator, module: torch.nn.Module) -> dict[str, Any]:
         """The fp32 master copies gathered per parameter (a collective), with the module's
         own buffers; on the main process."""
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
         from deepspeed.utils import safe_get_full_fp32_param
 
         gathered = {}
         for name, param in module.named_parameters():
             full = safe_get_full_fp32_param(param)
+            if full is None and getattr(param, "ds_id", None) is not None:
+                # A ZeRO-3 parameter without a master (frozen: LoRA's base weights) is
+                # gathered whole from its 16-bit slices (a collective).
+                with GatheredParameters([param]):
+                    full = param.detach().to("cpu").clone()
             if accelerator.is_main_process:  # a copy: the live parameters keep training
                 gathered[name] = (param.detach() if full is None else full).to("cpu").clone()
         if not accelerator.is_main_process:
@@ -181,6 +214,8 @@ class DeepSpeedCheckpoints(CheckpointIO):
         parameter falls in its partition), an even share of the frozen ones, no gather."""
         from dpkit.core import shards
 
+        if _stage3(optimizer) is not None:
+            return self._own_stage3_shards(accelerator, module, optimizer)
         zero = zero_optimizer(optimizer)
         partitioned = _partitioned(zero)
         linked = getattr(zero, "_hp_optimizer_states_linked", False)
@@ -224,6 +259,9 @@ class DeepSpeedCheckpoints(CheckpointIO):
 
         from dpkit.core import shards
 
+        if _stage3(optimizer) is not None:
+            self._load_own_stage3_shards(module, optimizer, read, step, with_moments)
+            return
         zero = zero_optimizer(optimizer)
         torch_opt = inner_torch_optimizer(optimizer)
         partitioned = _partitioned(zero)
@@ -263,3 +301,92 @@ class DeepSpeedCheckpoints(CheckpointIO):
                 hp_partition, zero.bit16_groups[i], torch_opt.state, ADAM_MOMENTS
             )
         zero._hp_optimizer_states_linked = True
+
+    # ---- ZeRO-3: the parameters themselves are partitioned ------------------------------
+
+    def _own_stage3_shards(
+        self, accelerator: Accelerator, module: torch.nn.Module, optimizer: Any
+    ) -> dict[str, Any]:
+        """This rank's slice of every parameter's fp32 master and Adam moments, read through
+        DeepSpeed's ZeRO-3 local API (a frozen parameter: its own slice of the weight)."""
+        from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+        from dpkit.core import shards
+
+        zero = _stage3(optimizer)
+        torch_opt = inner_torch_optimizer(optimizer)
+        stepped = any(
+            "step" in torch_opt.state.get(flat, {}) for flat in zero.fp32_partitioned_groups_flat
+        )
+        state: dict[str, Any] = {}
+        for name, param, offset, length in _stage3_slices(module):
+            whole = param.ds_numel
+            if not param.requires_grad:
+                local = param.ds_tensor.detach().reshape(-1).narrow(0, 0, length).float()
+                state[shards.weight_key(name)] = shards.FlatShard(whole, offset, local)
+                continue
+            master = safe_get_local_fp32_param(param).narrow(0, 0, length)
+            state[shards.weight_key(name)] = shards.FlatShard(whole, offset, master.detach())
+            for moment in ADAM_MOMENTS if stepped else ():
+                local = safe_get_local_optimizer_state(param, moment).narrow(0, 0, length)
+                state[shards.moment_key(name, moment)] = shards.FlatShard(
+                    whole, offset, local.detach()
+                )
+        if accelerator.process_index == 0:
+            for name, buffer in shards.persistent_buffers(module).items():
+                state[shards.weight_key(name)] = shards.fp32(
+                    shards.FlatShard.whole(buffer.detach())
+                )
+        return state
+
+    def _load_own_stage3_shards(
+        self,
+        module: torch.nn.Module,
+        optimizer: Any,
+        read: Callable[[dict[str, FlatShard]], None],
+        step: int | None,
+        with_moments: bool,
+    ) -> None:
+        """Read this rank's slices of the masters and moments, put them into DeepSpeed's
+        partitions (its local setters) and copy the masters into the parameters' own slices."""
+        from deepspeed.utils import safe_set_local_fp32_param, safe_set_local_optimizer_state
+
+        from dpkit.core import shards
+
+        zero = _stage3(optimizer)
+        torch_opt = inner_torch_optimizer(optimizer)
+        targets = shards.LoadTargets()
+        loaded: list[tuple[Any, int, dict[str, torch.Tensor]]] = []
+        for name, param, offset, length in _stage3_slices(module):
+            whole = param.ds_numel
+            buffers = {"weight": torch.zeros(param.ds_tensor.ds_numel, dtype=torch.float32)}
+            targets.shards[shards.weight_key(name)] = shards.FlatShard(
+                whole, offset, buffers["weight"][:length]
+            )
+            for moment in ADAM_MOMENTS if with_moments and param.requires_grad else ():
+                buffers[moment] = torch.zeros_like(buffers["weight"])
+                targets.shards[shards.moment_key(name, moment)] = shards.FlatShard(
+                    whole, offset, buffers[moment][:length]
+                )
+            loaded.append((param, length, buffers))
+        for name, buffer in shards.persistent_buffers(module).items():
+            targets.whole(shards.weight_key(name), buffer)
+        read(targets.shards)
+        targets.finish()
+        if with_moments:  # before this process's first step ZeRO-3 holds no Adam state yet
+            for flat in zero.fp32_partitioned_groups_flat:
+                state = torch_opt.state[flat]
+                for moment in ADAM_MOMENTS:
+                    state.setdefault(moment, torch.zeros_like(flat))
+        with torch.no_grad():
+            for param, _, buffers in loaded:
+                device, dtype = param.ds_tensor.device, param.ds_tensor.dtype
+                param.ds_tensor.data.copy_(buffers["weight"].to(device, dtype))
+                if not param.requires_grad:
+                    continue
+                safe_set_local_fp32_param(param, buffers["weight"].to(device))
+                for moment in ADAM_MOMENTS if with_moments else ():
+                    safe_set_local_optimizer_state(param, buffers[moment].to(device), moment)
+        if with_moments:
+            for flat in zero.fp32_partitioned_groups_flat:
+                torch_opt.state[flat]["step"] = step.clone()

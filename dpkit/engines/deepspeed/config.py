@@ -64,12 +64,12 @@ def read_ds_config(path: str) -> dict:
 
 
 def zero_stage_of(config: Mapping, path: str) -> int:
-    """``zero_optimization.stage``; dpkit runs stages 1 and 2."""
+    """``zero_optimization.stage``; dpkit runs stages 1, 2 and 3."""
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage") if isinstance(zero, dict) else None
-    if isinstance(stage, bool) or stage not in (1, 2):
+    if isinstance(stage, bool) or stage not in (1, 2, 3):
         raise UsageError(
-            f"deepspeed config {path!r}: zero_optimization.stage={stage!r}; dpkit supports 1 and 2"
+            f"deepspeed config {path!r}: zero_optimization.stage={stage!r}; dpkit supports 1, 2 and 3"
         )
     return stage
 

@@ -45,6 +45,7 @@ def buffer_settings(spec: ModelSpec, world_size: int, on_cuda: bool) -> dict[str
         "contiguous_gradients": True,
         "overlap_comm": False,  # DeepSpeed turns it on for stage 3 only
         "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
         "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
     }
     if spec.hidden_size:
@@ -80,6 +81,11 @@ def model_state_bytes(
         # The step's fp32 copy of the 16-bit partition, beside it (offload builds it in
         # host memory). Under ZeRO-1 the full 16-bit gradients of backward may be larger.
         grads = max(grads, (module_bytes + 4) * psi / n)
+    if stage == 3 and not offload:
+        # ZeRO-3 keeps each parameter's reduced slice in one flat partition and, at the step,
+        # a flattened fp32 copy of it as the masters' .grad (_prepare_fp32_grad_for_sub_group:
+        # torch.cat, a copy even in fp32): measured 86.6 MiB for MiniLM at 2 ranks, fp32.
+        grads = (module_bytes + 4) * psi / n
     optimizer_bytes = per_rank(OPTIMIZER_STATE_BYTES[optimizer] * psi, 1)
     master = per_rank(4 * psi, 1)
     if offload:
@@ -108,15 +114,28 @@ def buffer_bytes(
     reduce it (:func:`~dpkit.engines.deepspeed.layout.largest_bucket_fill`, from the
     model's parameter layout; a bare ``--params`` count has none, and its bucket is
     counted once instead). The post-step all-gather writes into the parameters in place
-    (all_gather_into_tensor). ZeRO-3: one reduce bucket, the largest layer gathered
-    whole with its 16-bit gradient (DeepSpeed's ``largest_layer_memory``), the prefetch
-    bucket, and the small tensors every rank keeps whole."""
+    (all_gather_into_tensor). ZeRO-3: the reduce bucket (only with
+    ``contiguous_gradients``), the parameters gathered whole at the end of the forward
+    and the small ones every rank keeps whole (``stage3_param_persistence_threshold``).
+
+    ZeRO-3's gathered parameters, from its second step (the first records the module
+    order and releases each module's parameters after use): at the end of the forward
+    it keeps every parameter it will use again within ``stage3_max_reuse_distance``
+    elements, plus what it prefetched (``stage3_prefetch_bucket_size``) and the module
+    running; at DeepSpeed's defaults (1e9 and 5e7 elements) that is every parameter of a
+    model under about a billion. Measured equal on MiniLM at 2 ranks (docs/zero3.md);
+    for a larger model the sum is a bound (DeepSpeed's own estimator counts only the
+    largest layer, which its defaults exceed)."""
     module_bytes = dtype_bytes(precision)
     bucket = settings["reduce_bucket_size"]
     # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
     shards_params = stage >= 3
     reduce_buckets = 2 if settings["overlap_comm"] and not shards_params else 1
-    if shards_params or not spec.param_groups:
+    if shards_params:
+        # ZeRO-3 allocates its ipg bucket only with contiguous_gradients (stage3.py).
+        contiguous = settings["contiguous_gradients"]
+        parts = {"reduce_bucket": (bucket * module_bytes) if contiguous else 0.0}
+    elif not spec.param_groups:
         parts = {"reduce_bucket": reduce_buckets * bucket * module_bytes}
     else:
         groups = spec.param_groups
@@ -130,8 +149,13 @@ def buffer_bytes(
             "reduce_flat_copy": module_bytes * largest_bucket_fill(groups, bucket, order),
         }
     if shards_params:
-        parts["gathered_layer"] = 2 * module_bytes * spec.largest_layer_params
-        parts["prefetch_bucket"] = module_bytes * settings["stage3_prefetch_bucket_size"]
+        sharded = spec.num_params - spec.small_tensor_params
+        window = (
+            settings["stage3_max_reuse_distance"]
+            + settings["stage3_prefetch_bucket_size"]
+            + spec.largest_layer_params
+        )
+        parts["gathered_params"] = module_bytes * min(sharded, window)
         parts["persistent_small_tensors"] = module_bytes * spec.small_tensor_params
     return parts
 
@@ -199,16 +223,17 @@ def step_bytes(
 ) -> dict[str, float]:
     """ZeRO-1/2 (not offloaded): the flat copy of this rank's gradient partition the step
     makes (in fp32 it becomes the master's gradient; in mixed precision it is cast to
-    fp32, and that fp32 gradient is already among the model states). ZeRO-3: the fp32
-    gradient partition the step reads (DeepSpeed's estimator counts it as "4 bytes grads
-    32bit"). Offload builds them in host memory. With the parameter layout known
+    fp32, and that fp32 gradient is already among the model states). ZeRO-3: nothing
+    more: the fp32 copy of its gradient partition the step makes is among its gradients
+    (:func:`model_state_bytes`; DeepSpeed's estimator counts it as "4 bytes grads 32bit").
+    Offload builds them in host memory. With the parameter layout known
     (``grads_laid_out``) they are part of the step's gradients instead
     (:mod:`dpkit.engines.deepspeed.layout`)."""
     if offload or grads_laid_out:
         return {}
     if stage in (1, 2):
         return {"flat_grad_partition": dtype_bytes(precision) * num_params / world_size}
-    return {"fp32_grad_partition": 4 * num_params / world_size}
+    return {}
 
 
 def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:

@@ -138,8 +138,8 @@ def zero_memory_settings(
         raise ValueError(
             f"num_params and world_size must be positive, got {num_params}, {world_size}"
         )
-    if stage not in (1, 2):
-        raise ValueError(f"stage must be 1 or 2, got {stage}")
+    if stage not in (1, 2, 3):
+        raise ValueError(f"stage must be 1, 2 or 3, got {stage}")
     bucket = bucket_elements(hidden_size, num_params)
     partition = num_params / world_size
     # A parameter bigger than the bucket is reduced alone after backward, while its slot

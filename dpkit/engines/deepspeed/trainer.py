@@ -66,6 +66,14 @@ def trainer_config(
     ``world_size`` ranks, for a model of ``sizes`` (:class:`dpkit.models.ModelSizes`)."""
     resolved, where = _read_config(config)
     stage = zero_stage_of(resolved, where)
+    if stage == 3:
+        # The Trainer builds a ZeRO-3 model under zero.Init only when TrainingArguments
+        # exist before from_pretrained; dpkit's callback has not been checked on it.
+        raise UsageError(
+            f"deepspeed config {where!r}: zero_optimization.stage=3: dpkit's Trainer "
+            "integration runs ZeRO stages 1 and 2 (ZeRO-3 runs in dpkit's recipes and "
+            "run.prepare)"
+        )
     optimizer_offload(resolved, where)
     settings = zero_memory_settings(
         sizes.num_params,

@@ -30,6 +30,12 @@ class MeasuredMemory:
         """Hook :class:`dpkit.memory.probes.StepProbes` into the points of a step where
         this backend holds memory the optimizer's own step hooks do not see."""
 
+    def steady_step(self, optimizer: Any) -> int:
+        """The first optimizer step (of this process) whose memory is the run's own: the
+        one the probes must reach and the live-bytes tracker watches. The first, for a
+        backend whose first step holds what every later step holds."""
+        return 1
+
     def precision_in_effect(self, optimizer: Any) -> str | None:
         """The precision the live objects keep the parameters in, where the backend casts
         them itself (DeepSpeed's 16-bit partitions); None: the run's own setting stands."""

@@ -126,21 +126,23 @@ class PlanArithmetic:
     def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
         """The points of one step where this backend's live bytes may peak, each with what
         is alive there (:mod:`dpkit.plan.peak` takes the largest). The default: states
-        whole as the plan counts them, gradients stored as they arrive."""
+        as the plan counts them, its buffers held through the forward and the backward
+        (ZeRO-3's gathered parameters and buckets), gradients stored as they arrive."""
         from dpkit.core.step import PeakPoint
 
         trace = view.trace
         held = {
             "params": view.params,
             "master": view.master,
-            "module_buffers": view.module_buffers,
             "batch": trace.batch,
         }
+        buffers = {name: v for name, v in view.buffer_parts.items() if v}
         return [
             PeakPoint(
                 trace.forward_point,
                 {
                     **held,
+                    **buffers,
                     "optimizer": view.optimizer_before_update,
                     "activations": trace.forward_high,
                 },
@@ -149,11 +151,21 @@ class PlanArithmetic:
                 "backward",
                 {
                     **held,
+                    **buffers,
                     "optimizer": view.optimizer_before_update,
                     "activations_and_grads": trace.backward_kept_high,
                 },
             ),
-            PeakPoint("optimizer step", {**held, "grads": view.grads, "optimizer": view.optimizer}),
+            PeakPoint(
+                "optimizer step",
+                {
+                    **held,
+                    "module_buffers": view.module_buffers,
+                    "grads": view.grads,
+                    "optimizer": view.optimizer,
+                    **view.optimizer_temporaries,
+                },
+            ),
         ]
 
     def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:

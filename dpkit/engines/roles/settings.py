@@ -89,6 +89,10 @@ class Settings:
         """Whether the backend's configuration builds the lr scheduler itself."""
         return False
 
+    def check_options(self, strategy: Strategy, checkpoint_format: str) -> None:
+        """Refuse (:class:`~dpkit.errors.UsageError`) a run option this backend cannot
+        honour under ``strategy``, before any process group; every option: nothing."""
+
     def before_process_group(self, *, on_cuda: bool) -> None:
         """Set what this backend needs in the process before any group starts, for a run
         dpkit does not start itself (a Transformers ``Trainer``'s)."""

@@ -3,7 +3,8 @@ and the check that the live objects are what was asked for."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,12 @@ class Wrapping:
         backend: ``accelerator.prepare``, which builds DDP or DeepSpeed's engine."""
         prepared = run.accelerator.prepare(*objects)
         return prepared if isinstance(prepared, tuple) else (prepared,)
+
+    @contextlib.contextmanager
+    def building_model(self, run: RunView) -> Iterator[None]:
+        """The context a model is built or loaded in (ZeRO-3: under ``zero.Init``, which
+        needs the process group); nothing for a backend that wraps a whole model."""
+        yield
 
     def before_optimizer(self, run: RunView, model: torch.nn.Module) -> Any:
         """The model as the optimizer must see it (FSDP2 replaces parameters by shards);
