@@ -176,7 +176,7 @@ def test_a_zero2_run_resolves_every_field(tmp_path):
         max_grad_norm=0.5,
         env=deepspeed_launcher_env(2),
     )
-    assert resolution.strategy.name == "zero2"
+    assert resolution.strategy.name == "zero2_offload"
     assert resolution.source == f"--deepspeed {path}"
     assert resolution.settings.config_path == str(path)
     assert resolution.precision == "bf16"
