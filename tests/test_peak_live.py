@@ -248,3 +248,16 @@ def test_a_two_process_run_reports_each_ranks_live_high_water(tmp_path):
         assert peak["bytes"] >= row["largest_moment"]["total"]
         assert peak["at_step_start"] >= row["params"]
     assert "peak live tensors" in launch.output
+
+
+def test_the_measured_batch_is_the_token_ids_shape():
+    """``peak_live["batch"]``: the first 2-D integer input of the forward (the token ids),
+    which ``dpkit plan --against`` predicts the peak for; none for other inputs."""
+    from dpkit.memory.live import _batch_shape
+
+    ids = torch.zeros((4, 24), dtype=torch.long)
+    assert _batch_shape([torch.ones(3), ids, torch.zeros((2, 2), dtype=torch.long)]) == {
+        "micro_batch": 4,
+        "seq_len": 24,
+    }
+    assert _batch_shape([torch.ones((4, 24))]) is None

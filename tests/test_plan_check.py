@@ -393,6 +393,7 @@ def test_the_json_gives_whole_bytes():
         "grads_where": "rank 1, step, group 0 (flat copy of the partition)",
         "planned_batch": "", "not_predicted": {}, "not_checked": {}, "logits_peak_bytes": 0,
         "gradient_checkpointing": False, "recomputed_layer_bytes": 0, "activation_method": "",
+        "peak": None, "peak_measured": None,
     }  # fmt: skip
 
 
@@ -544,26 +545,31 @@ def test_an_lm_runs_config_gives_its_workload_and_ignores_unknown_fields():
     )
 
 
-def test_the_peak_is_compared_only_where_every_rank_reports_a_device_high_water():
-    """A GPU report's allocator high-water per rank: the plan's total less its reserve
-    (the CUDA context, which the allocator does not count) against the largest rank's."""
+def test_the_peak_is_compared_where_the_run_measured_peak_live():
+    """The largest rank's ``peak_live`` (the first step's live-tensor high-water, on CPUs
+    and GPUs alike) is what the predicted peak is set against; a report without one, or a
+    model without shapes, gets no peak and the reason."""
     from dpkit.plan.check import _peak
     from dpkit.plan.recommend import make_plan
 
     spec = ModelSpec(name="1B", source="count", num_params=10**9)
-    row = make_plan(PlanInputs(model=spec, gpu_memory=80 * 10**9)).row("ddp")
-    gpu = {"ranks": [{"peak": {"max_allocated": 3.0e9}}, {"peak": {"max_allocated": 5.0e9}}]}
-    assert _peak(gpu, row) == (row.total - row.reserve, 5.0e9, "")
-    assert row.reserve > 0 and row.total - row.reserve < row.total
-    cpu = {"ranks": [{"peak": {"max_allocated": 3.0e9}}, {"peak": {"rss_high_water": 1e9}}]}
-    predicted, measured, why = _peak(cpu, row)
-    assert (predicted, measured) == (None, None)
-    assert why == (
-        "not predicted on CPU: the run's peak is the process RSS high-water, which also "
-        "holds the interpreter, libraries and allocator slack"
+    inputs = PlanInputs(model=spec, gpu_memory=80 * 10**9)
+    row = make_plan(inputs).row("ddp")
+    none = {"ranks": [{"peak": {"max_allocated": 3.0e9}}, {"peak_live": None}]}
+    assert _peak(none, inputs, row, {}, True) == (
+        None,
+        None,
+        "the run measured no peak_live (--memory-probe-steps 0, or a report from before it)",
     )
-    assert _peak({"ranks": [{}]}, row)[:2] == (None, None)
-    assert _peak({"ranks": []}, row)[:2] == (None, None)
+    measured = {
+        "ranks": [
+            {"rank": 0, "peak_live": {"bytes": 3.0e9}},
+            {"rank": 1, "peak_live": {"bytes": 5.0e9}},
+        ]
+    }
+    peak, largest, why = _peak(measured, inputs, row, {}, True)
+    assert peak is None and largest == {"bytes": 5.0e9, "rank": 1}
+    assert why == "the run's model has no shapes to trace"
 
 
 def test_a_report_without_batch_shapes_plans_the_runs_longest_batch_and_says_so():
@@ -597,7 +603,7 @@ def _finetune_run(
     for rank, (counted, buffers) in enumerate([(1000.0, 5.0), (3000.0, 7.0)]):
         report["ranks"][rank] |= {"activations": counted, "buffers_total": buffers}
     for rank, peak in enumerate(peaks):
-        report["ranks"][rank]["peak"] = {"max_allocated": peak}
+        report["ranks"][rank]["peak_live"] = {"bytes": peak, "point": "backward"}
     report |= report_extra
     return check_run(_write(tmp_path / name, report, run_config=config))
 
@@ -622,12 +628,11 @@ def test_the_activations_are_planned_with_the_runs_checkpointing_and_device(tmp_
     assert checkpointed.predicted["activations"] < plain.predicted["activations"]
     assert on_gpu.predicted["activations"] < plain.predicted["activations"]
     assert no_device.predicted["activations"] == plain.predicted["activations"]
-    # The GPU's allocator peak, the largest rank's, against the plan's whole per-rank
-    # figure (model states, activations and more); a CPU's is not compared.
+    # The largest rank's peak_live against the first step's predicted peak, which holds at
+    # least the parameters and DDP's gradient buckets; a run without one is not compared.
     assert on_gpu.measured["peak"] == 200.0 and "peak" not in on_gpu.not_predicted
-    peak_floor = on_gpu.predicted["total"] + on_gpu.predicted["activations"]
-    assert on_gpu.predicted["peak"] > peak_floor
-    assert plain.not_predicted["peak"].startswith("not predicted on CPU")
+    assert on_gpu.predicted["peak"] > on_gpu.predicted["params"] + on_gpu.predicted["grads"]
+    assert plain.not_predicted["peak"].startswith("the run measured no peak_live")
     assert "peak" not in plain.predicted and "peak" not in plain.measured
     for check in (plain, checkpointed, on_gpu):
         assert check.measured["activations"] == 3000.0

@@ -43,6 +43,8 @@ def test_zero3_runs_as_zero3_and_trains_as_zero2(reference, zero3):
     # parameters with the 2-label head (docs/memory.md's figure for the same model).
     assert info["num_params"] == 22_713_986
     zero2 = reference("zero2_no_dropout")
+    zero2_info = json.loads((zero2.output_dir / "run_info.json").read_text())
+    assert (zero2_info["strategy"], zero2_info["world_size"]) == ("zero2", 2)  # both 2-process
     assert len(zero3.losses) == len(zero2.losses) == 6
     assert max_rel_diff(zero3.losses, zero2.losses) <= RTOL, (zero3.losses, zero2.losses)
     assert max(zero2.losses) - min(zero2.losses) > 10 * RTOL * max(zero2.losses)

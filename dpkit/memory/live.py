@@ -259,6 +259,15 @@ class LiveTensors(TorchDispatchMode):
         self._by_key.clear()
 
 
+def _batch_shape(inputs: list[Any]) -> dict[str, int] | None:
+    """The measured forward's micro-batch and tokens: the first 2-D integer input (the token
+    ids), which ``dpkit plan --against`` plans the peak for; None for other inputs."""
+    for tensor in _tensors(inputs):
+        if tensor.dim() == 2 and not tensor.is_floating_point():
+            return {"micro_batch": int(tensor.shape[0]), "seq_len": int(tensor.shape[1])}
+    return None
+
+
 def _has_dtensor(types: Any) -> bool:
     return any(t.__name__ == "DTensor" for t in types)
 
@@ -309,6 +318,7 @@ class PeakLive:
         self._at_start = 0
         self._cuda_at_start: float | None = None
         self._torch_opt = inner_torch_optimizer(optimizer)
+        self._batch: dict[str, int] | None = None
         if from_step > 1 and self._torch_opt is not None:
             # Counted by the optimizer itself: a loop of one's own need not report its steps.
             self._handles.append(self._torch_opt.register_step_post_hook(self._stepped))
@@ -326,10 +336,13 @@ class PeakLive:
     def _open(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         if (
             self._steps_before + 1 < self.from_step
-            or self.live is not None
             or not module.training
             or not torch.is_grad_enabled()
         ):
+            return
+        if self.live is not None:
+            if self.open:  # a later micro-batch of the measured step: its own shape
+                self._batch = _batch_shape(list(args) + list(kwargs.values()))
             return
         self._started = time.perf_counter()
         live = LiveTensors(self.device)
@@ -339,6 +352,7 @@ class PeakLive:
             live.add(tensor, category)
         for tensor in _tensors(list(args) + list(kwargs.values())):
             live.add(tensor)  # the batch: temporary
+        self._batch = _batch_shape(list(args) + list(kwargs.values()))
         live.walks = 1
         live.peak = live.total
         self._at_start = live.total
@@ -389,6 +403,7 @@ class PeakLive:
             "probe_point": at.get("probe_point"),
             "by_category": live.breakdown(),
             "at_step_start": float(self._at_start),
+            "batch": at.get("batch", self._batch),
             "step": step,
             "ops_seen": live.ops,
             "storages_live_at_end": live.storages,
@@ -417,7 +432,11 @@ class PeakLive:
     # ---- where the step is --------------------------------------------------------------
 
     def _where(self) -> dict[str, Any]:
-        where: dict[str, Any] = {"phase": self.phase, "probe_point": self.probe_point}
+        where: dict[str, Any] = {
+            "phase": self.phase,
+            "probe_point": self.probe_point,
+            "batch": self._batch,
+        }
         if self.phase == "forward":
             where["module"] = self._modules[-1] if self._modules else None
             if self._modules == [""] and self._children_returned:

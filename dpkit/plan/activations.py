@@ -196,8 +196,15 @@ def _kernel_mode(device: str, autocast_dtype: Any = None) -> Any:
             return output
 
         @staticmethod
-        def backward(ctx: Any, grad: Any) -> Any:  # never run: the trace only goes forward
-            raise NotImplementedError
+        def backward(ctx: Any, grad: Any) -> Any:
+            # Run by the step's trace (dpkit.plan.step_trace): the kernels' backward returns
+            # the gradients of q, k and v and recomputes the scores block by block.
+            query, key, value = ctx.saved_tensors[:3]
+            return (
+                query.new_empty(query.shape),
+                key.new_empty(key.shape),
+                value.new_empty(value.shape),
+            )
 
     def sdpa(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> Any:
         dropout_p = kwargs.get("dropout_p", args[1] if len(args) > 1 else 0.0)
@@ -421,11 +428,13 @@ def _trace_model(spec: ModelSpec, attention: str) -> Any:
 
 
 @contextlib.contextmanager
-def _checkpointed(model: Any) -> Iterator[None]:
+def _checkpointed(model: Any, context_fn: Any = None) -> Iterator[None]:
     """The model's layers checkpointed as a run's ``--gradient-checkpointing`` does it
     (:func:`dpkit.models.enable_gradient_checkpointing`: torch's non-reentrant
     checkpoint around each layer's forward), for one trace: the layers' switches only,
-    so that the shared meta model is left as it was."""
+    so that the shared meta model is left as it was. ``context_fn``: checkpoint's (the
+    contexts of the forward and of the recomputation; a torch function mode is not active
+    in backward, where the recomputation runs, unless entered there again)."""
     import functools
 
     from torch.utils.checkpoint import checkpoint
@@ -434,8 +443,11 @@ def _checkpointed(model: Any) -> Iterator[None]:
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no checkpointable layers to trace")
+    extra = {} if context_fn is None else {"context_fn": context_fn}
     for layer in layers:
-        layer._gradient_checkpointing_func = functools.partial(checkpoint, use_reentrant=False)
+        layer._gradient_checkpointing_func = functools.partial(
+            checkpoint, use_reentrant=False, **extra
+        )
         layer.gradient_checkpointing = True
     try:
         yield

@@ -17,18 +17,20 @@ padded per parameter, :mod:`dpkit.engines.fsdp2.layout`), never with DeepSpeed's
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from dpkit.core.categories import MODEL_STATES
 from dpkit.core.spec import ModelSpec, PlanInputs
+from dpkit.core.step import PeakPoint
 from dpkit.core.units import canonical_precision
 from dpkit.engines import ENGINES, engine_of, get_strategy, offloaded
 from dpkit.errors import UsageError
 from dpkit.plan.activations import activation_profile, saved_bytes
 from dpkit.plan.estimate import StrategyEstimate, buffer_settings, estimate
 from dpkit.plan.inputs import load_model, spec_from_config, spec_from_record
+from dpkit.plan.peak import StepPeak, peak_dict, step_peak, step_trace_for
 
 CATEGORIES = MODEL_STATES
 """The model-state rows of the check, one by one (their sum is ``total``)."""
@@ -73,6 +75,11 @@ class PlanCheck:
     activation_method: str = ""
     """How the activations were planned: ``trace`` (the model's forward on the meta
     device), or ``formula: <why the trace failed>``."""
+    peak: StepPeak | None = None
+    """The step's peak of live tensors, predicted for the batch the run measured it at
+    (``predicted["peak"]`` is its first step's, what ``peak_live`` measures)."""
+    peak_measured: dict[str, Any] | None = None
+    """The largest rank's ``peak_live`` (its ``rank`` added)."""
 
     @property
     def error_pct(self) -> dict[str, float | None]:
@@ -194,21 +201,40 @@ def _measured_batch(report: dict[str, Any], micro_batch: int, seq_len: int) -> t
     )
 
 
-def _peak(report: dict[str, Any], row: StrategyEstimate) -> tuple[float | None, float | None, str]:
-    """The whole per-rank peak, predicted and measured, where the device reports one (a
-    GPU's allocator high-water: the plan's total less its reserve for the CUDA context);
-    else None and the reason."""
-    peaks = [r.get("peak", {}).get("max_allocated") for r in report["ranks"]]
-    if any(p is None for p in peaks) or not peaks:
+def _peak(
+    report: dict[str, Any],
+    inputs: PlanInputs,
+    row: StrategyEstimate,
+    settings: dict[str, Any],
+    on_gpu: bool,
+) -> tuple[StepPeak | None, dict[str, Any] | None, str]:
+    """The first step's peak of live tensor bytes, predicted (:mod:`dpkit.plan.peak`) for
+    the batch the run measured it at, and the largest rank's ``peak_live``; else None and
+    the reason."""
+    rows = [r for r in report["ranks"] if r.get("peak_live")]
+    if not rows:
         return (
             None,
             None,
-            (
-                "not predicted on CPU: the run's peak is the process RSS high-water, which also "
-                "holds the interpreter, libraries and allocator slack"
-            ),
+            ("the run measured no peak_live (--memory-probe-steps 0, or a report from before it)"),
         )
-    return row.total - row.reserve, max(float(p) for p in peaks), ""
+    largest = max(rows, key=lambda r: float(r["peak_live"]["bytes"]))
+    measured = dict(largest["peak_live"], rank=largest.get("rank"))
+    batch = measured.get("batch") or {}
+    micro_batch = int(batch.get("micro_batch") or inputs.micro_batch)
+    if batch.get("seq_len"):
+        inputs = replace(inputs, seq_len=int(batch["seq_len"]))
+    trace = step_trace_for(inputs, row.strategy, micro_batch, device="cuda" if on_gpu else "cpu")
+    if trace is None:
+        return None, measured, "the run's model has no shapes to trace"
+    # The model states do not depend on the batch: the row's figures stand.
+    return step_peak(inputs, row.strategy, row, trace, settings, on_gpu=on_gpu), measured, ""
+
+
+def _watched(peak: StepPeak, measured: dict[str, Any]) -> PeakPoint:
+    """The predicted peak of the step ``peak_live`` watched: the first, or a later one (an
+    engine whose first step differs, ZeRO-3's, is watched at its second)."""
+    return peak.first if int(measured.get("step") or 1) <= 1 else peak.later
 
 
 def _accumulation(run_dir: Path, report: dict[str, Any]) -> int:
@@ -313,11 +339,12 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         not_checked["buffers"] = (
             f"not measured: {', '.join(unprobed)} live between the report's probe points"
         )
-    peak_predicted, peak_measured, why_not = _peak(report, row)
-    if peak_predicted is None:
+    peak, peak_measured, why_not = _peak(report, inputs, row, settings, on_gpu)
+    if peak is None or peak_measured is None:
         not_predicted["peak"] = why_not
     else:
-        predicted["peak"], measured["peak"] = peak_predicted, peak_measured
+        predicted["peak"] = _watched(peak, peak_measured).bytes
+        measured["peak"] = float(peak_measured["bytes"])
     return PlanCheck(
         run_dir=run_dir,
         model=model_name,
@@ -335,6 +362,8 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         gradient_checkpointing=checkpointing,
         recomputed_layer=row.activation_parts.get("one_layer", 0.0),
         activation_method=estimated_by,
+        peak=peak,
+        peak_measured=peak_measured,
     )
 
 
@@ -384,6 +413,7 @@ def format_check(check: PlanCheck) -> str:
             f"keeps); the layer recomputed in backward adds {check.recomputed_layer / MIB:.1f} "
             "MiB planned at a time (transient, not measured)"
         )
+    lines += _peak_lines(check)
     if check.grads_where:
         lines += [
             "",
@@ -391,6 +421,41 @@ def format_check(check: PlanCheck) -> str:
             f"{check.grads_paper / MIB:.1f} MiB (see dpkit.engines.deepspeed.layout)",
         ]
     return "\n".join(lines)
+
+
+def _peak_lines(check: PlanCheck) -> list[str]:
+    """Where the peak is, predicted and measured, and what is alive there."""
+    peak, measured = check.peak, check.peak_measured
+    if peak is None or measured is None:
+        return []
+    first, later = _watched(peak, measured), peak.later
+    step = int(measured.get("step") or 1)
+    trace = peak.trace
+    parts = ", ".join(f"{k} {v / MIB:.1f}" for k, v in first.parts.items() if v >= 0.05 * MIB)
+    seen = ", ".join(
+        f"{k} {float(v) / MIB:.1f}"
+        for k, v in (measured.get("by_category") or {}).items()
+        if float(v) >= 0.05 * MIB
+    )
+    which = "the batch it measured" if measured.get("batch") else "its batch is not recorded"
+    lines = [
+        f"peak: live tensor bytes of the run's step {step} at micro-batch {trace.micro_batch} x "
+        f"{trace.seq_len} tokens ({which}); no --reserve in it",
+        f"  predicted at {first.point}: {parts}",
+        f"  measured on rank {measured.get('rank')} at {measured.get('point')} "
+        f"({measured.get('op')}): {seen}",
+    ]
+    if not first.covers(measured.get("point")):
+        lines.append(
+            f"  the points differ: predicted {first.point}, measured {measured.get('point')}"
+        )
+    if step <= 1:
+        lines.append(
+            f"  later steps (AdamW's state alive from the start), predicted: "
+            f"{later.bytes / MIB:.1f} MiB at {later.point} (not measured: peak_live watched "
+            "the first step)"
+        )
+    return lines
 
 
 def _error_text(error: float | None) -> str:
@@ -423,4 +488,6 @@ def check_dict(check: PlanCheck) -> dict[str, Any]:
         "gradient_checkpointing": check.gradient_checkpointing,
         "recomputed_layer_bytes": round(check.recomputed_layer),
         "activation_method": check.activation_method,
+        "peak": None if check.peak is None else peak_dict(check.peak),
+        "peak_measured": check.peak_measured,
     }

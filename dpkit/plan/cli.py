@@ -155,7 +155,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--reserve",
         metavar="SIZE",
         default="2GiB",
-        help="per GPU for CUDA context, NCCL and allocator slack; default: 2GiB",
+        help="per GPU for what holds no tensor: the CUDA context, NCCL, the caching "
+        "allocator's rounding and slack (in the total, not in the predicted peak); "
+        "default: 2GiB",
     )
     estimate_group.add_argument(
         "--headroom",

@@ -15,6 +15,7 @@ from dpkit.core.units import GIB, format_gib
 from dpkit.engines import STRATEGIES, engine_of, get_strategy
 from dpkit.plan.estimate import StrategyEstimate
 from dpkit.plan.inputs import PlannedTask
+from dpkit.plan.peak import peak_dict
 from dpkit.plan.recommend import Plan
 
 # The first column fits the longest label ("FSDP2 shard-grad-op").
@@ -23,7 +24,8 @@ LABEL_WIDTH = max(len(s.label) for s in STRATEGIES.values()) + 2
 # What the estimate leaves out: printed with every plan, so no figure is read as more.
 NOT_COUNTED = (
     "other processes on the GPU, and CUDA/NCCL memory beyond --reserve",
-    "temporaries inside one layer's forward or backward (the largest is a few MLP-sized tensors)",
+    "in the total, the temporaries between operators (the peak counts them); in both, a "
+    "kernel's own workspace inside one operator",
     "under DDP's autocast, the residual stream and norm inputs stay fp32: "
     "the 16-bit trace undercounts them by about 2 bytes per hidden unit per token per norm",
     "evaluation, generation and checkpoint saving (the plan is one training step)",
@@ -150,10 +152,37 @@ def format_table(plan: Plan) -> str:
             if r.applicable
             and (note := engine_of(r.strategy).plan.plan_row_note(get_strategy(r.strategy), r))
         ),
+        *_peak_lines(plan),
         "not counted:",
         *(f"  - {item}" for item in NOT_COUNTED),
     ]
     return "\n".join(lines)
+
+
+def _peak_lines(plan: Plan) -> list[str]:
+    """Each strategy's whole-step peak of live tensors, with its point."""
+    if not plan.peaks:
+        return [f"peak: not predicted ({plan.peak_note})"] if plan.peak_note else []
+    lines = [
+        "peak: the step's high-water of live tensor bytes (temporaries included; what "
+        "max_memory_allocated shows), a later step's (AdamW's state alive from the start), "
+        "the first step's beside it; --reserve is not in it",
+    ]
+    for row in plan.rows:
+        peak = plan.peaks.get(row.strategy)
+        if peak is None:
+            continue
+        later, first = peak.later, peak.first
+        lines.append(
+            f"  {row.label:<{LABEL_WIDTH}}{later.bytes / GIB:>8.2f} GiB at {later.point:<20}"
+            f" first step {first.bytes / GIB:.2f} GiB at {first.point}"
+        )
+    lines.append(
+        f"reserve: --reserve {format_gib(plan.inputs.reserve)} per GPU is what a GPU holds "
+        "beside tensors (the CUDA context, the caching allocator's rounding and slack): in "
+        "the total, not in the peak; a CPU run has none"
+    )
+    return lines
 
 
 def _row_dict(row: StrategyEstimate, plan: Plan) -> dict[str, Any]:
@@ -187,6 +216,7 @@ def _row_dict(row: StrategyEstimate, plan: Plan) -> dict[str, Any]:
         "fits": plan.fits(row),
         "free_fraction": (plan.inputs.gpu_memory - row.total) / plan.inputs.gpu_memory,
         "largest_micro_batch": plan.largest_micro_batches[row.strategy],
+        "peak": peak_dict(plan.peaks[row.strategy]) if row.strategy in plan.peaks else None,
     }
 
 
@@ -242,6 +272,7 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "reason": plan.reason,
             "largest_micro_batch": plan.largest_micro_batches[plan.recommended],
         },
+        "peak_note": plan.peak_note or None,
         "not_counted": list(NOT_COUNTED),
     }
 

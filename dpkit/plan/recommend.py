@@ -9,7 +9,7 @@ one-line :class:`~dpkit.errors.UsageError` that names the flag to change.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dpkit.core.spec import PlanInputs
@@ -24,7 +24,8 @@ from dpkit.plan.estimate import (
     estimate,
     largest_micro_batch,
 )
-from dpkit.plan.inputs import PlannedTask
+from dpkit.plan.inputs import PlannedTask, first_line
+from dpkit.plan.peak import StepPeak, plan_peaks
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,11 @@ class Plan:
     """Why, in a sentence or two."""
     task: PlannedTask | None = None
     """The head the model was planned with and why (None: a bare ``--params`` count)."""
+    peaks: dict[str, StepPeak] = field(default_factory=dict)
+    """Per strategy name, the step's peak of live tensors at the requested micro-batch
+    (:mod:`dpkit.plan.peak`; none without a traced model)."""
+    peak_note: str = ""
+    """Why there are no peaks, where there are none."""
 
     def row(self, strategy: str | Strategy) -> StrategyEstimate:
         """The estimate of ``strategy`` (a Strategy or its name)."""
@@ -147,6 +153,7 @@ def make_plan(inputs: PlanInputs, task: PlannedTask | None = None) -> Plan:
         for r in rows
     }
     chosen = fitting[0]
+    peaks, peak_note = _peaks(inputs, activations, rows, settings)
     return Plan(
         inputs=inputs,
         activations=activations,
@@ -156,4 +163,23 @@ def make_plan(inputs: PlanInputs, task: PlannedTask | None = None) -> Plan:
         recommended=chosen.strategy,
         reason=_reason(tried, chosen, inputs),
         task=task,
+        peaks=peaks,
+        peak_note=peak_note,
     )
+
+
+def _peaks(
+    inputs: PlanInputs,
+    activations: ActivationProfile | None,
+    rows: list[StrategyEstimate],
+    settings: dict[str, Any],
+) -> tuple[dict[str, StepPeak], str]:
+    """Each row's peak, or none and why (a bare count; a model the meta device cannot run)."""
+    if activations is None:
+        return {}, "a bare --params has no shapes to trace"
+    if activations.method != "trace":
+        return {}, "the peak needs the model's step traced (--activation-estimate trace)"
+    try:
+        return plan_peaks(inputs, rows, settings), ""
+    except Exception as err:  # an unusual model's backward may not run on meta
+        return {}, f"the step's trace failed ({first_line(err)})"

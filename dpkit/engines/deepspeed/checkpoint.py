@@ -12,7 +12,7 @@ import torch
 
 from dpkit.core.loss_scale import LossScaler
 from dpkit.core.walk import inner_torch_optimizer
-from dpkit.engines.deepspeed.memory import zero_optimizer
+from dpkit.engines.deepspeed.memory import stage3_optimizer, zero_optimizer
 from dpkit.engines.roles.checkpoint_io import CheckpointIO
 
 if TYPE_CHECKING:
@@ -74,15 +74,6 @@ class DeepSpeedLossScaler(LossScaler):
 def _partitioned(zero: Any) -> dict[int, Any]:
     """id -> the parameter, of every parameter in ZeRO's groups (those it partitions)."""
     return {id(p): p for group in zero.bit16_groups for p in group}
-
-
-def _stage3(optimizer: Any) -> Any | None:
-    """DeepSpeed's ZeRO-3 optimizer behind accelerate's wrapper (it partitions the
-    parameters themselves: each holds a ``ds_tensor`` slice and a ``ds_id``), or None."""
-    from dpkit.core.walk import unwrap_optimizer
-
-    owner = unwrap_optimizer(optimizer)
-    return owner if hasattr(owner, "fp32_partitioned_groups_flat") else None
 
 
 def _stage3_slices(module: torch.nn.Module) -> Iterator[tuple[str, Any, int, int]]:
@@ -214,7 +205,7 @@ class DeepSpeedCheckpoints(CheckpointIO):
         parameter falls in its partition), an even share of the frozen ones, no gather."""
         from dpkit.core import shards
 
-        if _stage3(optimizer) is not None:
+        if stage3_optimizer(optimizer) is not None:
             return self._own_stage3_shards(accelerator, module, optimizer)
         zero = zero_optimizer(optimizer)
         partitioned = _partitioned(zero)
@@ -259,7 +250,7 @@ class DeepSpeedCheckpoints(CheckpointIO):
 
         from dpkit.core import shards
 
-        if _stage3(optimizer) is not None:
+        if stage3_optimizer(optimizer) is not None:
             self._load_own_stage3_shards(module, optimizer, read, step, with_moments)
             return
         zero = zero_optimizer(optimizer)
@@ -313,7 +304,7 @@ class DeepSpeedCheckpoints(CheckpointIO):
 
         from dpkit.core import shards
 
-        zero = _stage3(optimizer)
+        zero = stage3_optimizer(optimizer)
         torch_opt = inner_torch_optimizer(optimizer)
         stepped = any(
             "step" in torch_opt.state.get(flat, {}) for flat in zero.fp32_partitioned_groups_flat
@@ -353,7 +344,7 @@ class DeepSpeedCheckpoints(CheckpointIO):
 
         from dpkit.core import shards
 
-        zero = _stage3(optimizer)
+        zero = stage3_optimizer(optimizer)
         torch_opt = inner_torch_optimizer(optimizer)
         targets = shards.LoadTargets()
         loaded: list[tuple[Any, int, dict[str, torch.Tensor]]] = []

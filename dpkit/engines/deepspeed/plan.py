@@ -17,13 +17,19 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from dpkit.core.units import OPTIMIZER_STATE_BYTES, GradientHighWater, ModelStateBytes, dtype_bytes
-from dpkit.engines.deepspeed.layout import gradient_high_water, group_order, largest_bucket_fill
+from dpkit.engines.deepspeed.layout import (
+    gradient_high_water,
+    group_order,
+    largest_bucket_fill,
+    partition_group,
+)
 from dpkit.engines.roles.planned import PlanArithmetic
 
 if TYPE_CHECKING:
     import torch
 
     from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.core.step import PeakPoint, PeakView
     from dpkit.core.strategy import Strategy
     from dpkit.engines.roles.views import PlanRowView
 
@@ -230,6 +236,106 @@ def step_bytes(
     return {}
 
 
+def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
+    """Where a ZeRO-1/2 step may peak (``stage_1_and_2.py``). Through the step each rank
+    holds the module's parameters and its fp32 master partition; in backward, with
+    ``contiguous_gradients``, the reduce bucket. ZeRO-1 keeps the module's gradients whole
+    as they arrive and reduces them after the backward; ZeRO-2 reduces a bucket at a time,
+    so at the backward's high-water only the gradients that arrived before it, waiting for
+    their bucket to fill, are held (at most a bucket of them). At the reduction the worst rank holds its gradient layout's backward high-water
+    (:mod:`dpkit.engines.deepspeed.layout`) and the flat copy of the fullest bucket. The
+    step flattens the rank's partition while the gradients it copies are alive (the
+    layout's step figure), then the update holds the fp32 gradient partition for the
+    master, AdamW's moments (made inside the first update) and the optimizer's
+    temporaries. What the step holds before the update gets the moments only after the
+    first step.
+
+    With gradient accumulation a later micro-batch's forward and backward run beside the
+    gradients accumulated so far: ZeRO-1's whole module gradients; ZeRO-2's, on the worst
+    rank, the whole gradients of the parameters touching its partition (reason 4 of
+    :mod:`dpkit.engines.deepspeed.layout`; with ``contiguous_gradients``, its partition
+    buffer)."""
+    from dpkit.core.step import PeakPoint
+
+    trace = view.trace
+    held = {
+        "params": view.params,
+        "master": view.master,
+        "module_buffers": view.module_buffers,
+        "batch": trace.batch,
+    }
+    before = {"optimizer": view.optimizer_before_update} if view.optimizer_before_update else {}
+    # The layout's reduction and step figures hold the accumulated gradients already.
+    accumulated = (
+        {"grads_accumulated": _accumulated_gradients(stage, view)}
+        if view.accumulation_steps > 1
+        else {}
+    )
+    bucket = {"reduce_bucket": view.buffer_parts.get("reduce_bucket", 0.0)}
+    if stage == 1:
+        backward = {"activations_and_grads": trace.backward_kept_high}
+    else:
+        # At the backward's high-water the gradients that arrived before it wait in their
+        # bucket until it fills (at most one bucket of them).
+        waiting = min(
+            float(view.settings.get("reduce_bucket_size", 0)) * dtype_bytes(view.precision),
+            trace.grads_at_backward_high,
+        )
+        backward = {"activations": trace.backward_high, "grads_in_bucket": waiting}
+    grads_backward = view.grads if view.grads_backward is None else view.grads_backward
+    if view.grads_step is None:  # no layout: the paper's gradients and the flat copy
+        flatten = {"grads": view.grads, **view.step_parts}
+    else:
+        flatten = {"grads": view.grads_step}
+    return [
+        PeakPoint(
+            trace.forward_point,
+            {**held, **before, **accumulated, "activations": trace.forward_high},
+        ),
+        PeakPoint("backward", {**held, **before, **accumulated, **bucket, **backward}),
+        PeakPoint(
+            "gradient reduction",
+            {
+                **held,
+                **before,
+                **bucket,
+                "grads": grads_backward,
+                "reduce_flat_copy": view.buffer_parts.get("reduce_flat_copy", 0.0),
+            },
+        ),
+        PeakPoint("optimizer step", {**held, **before, **flatten}),
+        PeakPoint(
+            "optimizer step",
+            {
+                **held,
+                "fp32_grad_partition": view.master,
+                "optimizer": view.optimizer,
+                **view.optimizer_temporaries,
+            },
+        ),
+    ]
+
+
+def _accumulated_gradients(stage: int, view: PeakView) -> float:
+    """Gradient bytes the worst rank keeps between micro-batches of one step."""
+    module_bytes = dtype_bytes(view.precision)
+    groups = view.spec.param_groups
+    if stage == 1 or not groups:
+        return view.trace.grads_stored if stage == 1 else view.grads
+    n = view.world_size
+    contiguous = bool(view.settings.get("contiguous_gradients", False))
+    worst = 0
+    for rank in range(n):
+        parts = [partition_group(g, n, rank) for g in groups]
+        held = (
+            sum(p.partition_numel for p in parts)
+            if contiguous
+            else sum(p.whole_numel for p in parts)
+        )
+        worst = max(worst, held)
+    return float(module_bytes * worst)
+
+
 def optimizer_for_plan(offload: bool, optimizer: str) -> str | None:
     """The optimizer the analytic core should count, or None if it cannot run.
 
@@ -330,6 +436,11 @@ class DeepSpeedPlan(PlanArithmetic):
 
     def optimizer_for_plan(self, strategy: Strategy, optimizer: str) -> str | None:
         return optimizer_for_plan(strategy.offload, optimizer)
+
+    def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
+        if strategy.zero_stage in (1, 2) and not strategy.offload:
+            return peak_points(strategy.zero_stage, view)
+        return super().peak_points(strategy, view)  # ZeRO-3 and offload: states as counted
 
     def host_bytes(self, strategy: Strategy, num_params: float, world_size: int) -> float:
         # Offload builds the fp32 gradient partition in host memory, beside the

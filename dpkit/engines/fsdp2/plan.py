@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.core.step import PeakPoint, PeakView
     from dpkit.engines.roles.views import PlanRowView
 
 
@@ -80,6 +81,155 @@ def buffer_bytes(
         trainable=spec.trainable or None,
     )
     return {f"fsdp2_{name}": value for name, value in parts.items()}
+
+
+def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
+    """Where an FSDP2 step may peak, unit by unit (:mod:`dpkit.engines.fsdp2.layout` for
+    the mechanism). Forward, unit i: its whole parameters and the flat all-gather output
+    they were copied out of (kept until the next all-gather), the root's whole parameters,
+    and, without ``reshard_after_forward``, every earlier unit's. Backward, unit i's
+    reduce-scatter: the sharded gradients of the units done, the root's whole parameters
+    and gradients, the unit's whole gradients in the compute dtype with the fp32
+    reduce-scatter input they are copied into (on gloo, the input and the whole copy gloo
+    reduces), the next unit back gathered (prefetched), and the activations of the units
+    before it. With gradient accumulation every micro-batch reduce-scatters (dpkit does not
+    skip FSDP2's gradient sync): a later micro-batch runs beside the sharded gradients
+    accumulated so far, and each unit's reduce-scatter output is added into them. A bare
+    ``--params`` has no units: the default points."""
+    from dpkit.core.step import PeakPoint
+    from dpkit.core.units import dtype_bytes
+
+    spec, trace, n = view.spec, view.trace, view.world_size
+    if not spec.param_shapes or not spec.param_units:
+        return []
+    compute = dtype_bytes(view.precision)
+    trainable = spec.trainable or (True,) * len(spec.param_shapes)
+    root, layers = layout.units(spec.param_shapes, spec.param_units)
+    kept_shapes = [s for s, t in zip(spec.param_shapes, trainable, strict=True) if t]
+    kept_units = [u for u, t in zip(spec.param_units, trainable, strict=True) if t]
+    root_trained, layers_trained = layout.units(kept_shapes, kept_units)
+    if len(layers_trained) != len(layers):  # a unit with no trainable parameter (LoRA)
+        indexed = dict(zip(sorted(set(kept_units) - {-1}), layers_trained, strict=True))
+        layers_trained = [indexed.get(i, []) for i in sorted(set(spec.param_units) - {-1})]
+
+    def whole(shapes: list) -> float:
+        return float(compute * n * layout.shard_numel(shapes, n))
+
+    def reduce_scatter(shapes: list) -> float:
+        padded = float(layout.REDUCE_BYTES * n * layout.shard_numel(shapes, n))
+        copy_in = compute * layout.numel(shapes) + padded
+        return max(copy_in, 2 * padded) if not view.on_gpu else copy_in
+
+    def grad_shard(shapes: list) -> float:
+        return float(layout.REDUCE_BYTES * layout.shard_numel(shapes, n))
+
+    count = len(layers)
+    forward_at = list(trace.block_forward[1:]) + [trace.forward_high]
+    if len(trace.block_forward) != count:  # blocks not the units: the forward's high-water
+        forward_at = [trace.forward_high] * count
+    backward_end = list(trace.block_backward_end)
+    if len(backward_end) != count:
+        backward_end = [trace.backward_high] * count
+    held = {
+        "params": view.params,
+        "module_buffers": view.module_buffers,
+        "batch": trace.batch,
+        "root_whole_params": whole(root),
+    }
+    if view.optimizer_before_update:
+        held["optimizer"] = view.optimizer_before_update
+    accumulating = view.accumulation_steps > 1
+    if accumulating:
+        held["accumulated_grad_shards"] = view.grads
+    points = []
+    for i, unit in enumerate(layers):
+        earlier = 0.0 if reshard_after_forward else sum(whole(u) for u in layers[:i])
+        points.append(
+            PeakPoint(
+                "forward",
+                {
+                    **held,
+                    "earlier_units_whole": earlier,
+                    "unit_whole_params": whole(unit),
+                    "all_gather_output": whole(unit),
+                    "activations": forward_at[i],
+                },
+            )
+        )
+    last = layers[-1] if layers else []
+    kept_whole = 0.0 if reshard_after_forward else sum(whole(u) for u in layers)
+    points.append(
+        PeakPoint(
+            trace.forward_point,
+            {
+                **held,
+                "units_whole": kept_whole,
+                "all_gather_output": whole(last),
+                "activations": trace.forward_high,
+            },
+        )
+    )
+    root_grads = float(compute * layout.numel(root_trained))
+    regathered = 2 * whole(last) if reshard_after_forward else kept_whole
+    points.append(
+        PeakPoint(
+            "backward",
+            {
+                **held,
+                "units_whole": regathered,
+                "root_whole_grads": root_grads,
+                "activations": trace.backward_high,
+            },
+        )
+    )
+    for i in range(count - 1, -1, -1):
+        if reshard_after_forward:
+            gathered = 2 * whole(layers[i - 1]) if i > 0 else 0.0
+        else:
+            gathered = sum(whole(u) for u in layers[:i])
+        points.append(
+            PeakPoint(
+                "backward",
+                {
+                    **held,
+                    "grads": grad_shard(layers_trained[i])
+                    if accumulating
+                    else sum(grad_shard(u) for u in layers_trained[i:]),
+                    "units_whole": gathered,
+                    "root_whole_grads": root_grads,
+                    "reduce_scatter": reduce_scatter(layers_trained[i]),
+                    "activations": backward_end[i],
+                },
+            )
+        )
+    points.append(
+        PeakPoint(
+            "gradient reduction",
+            {
+                **held,
+                "grads": grad_shard(root_trained)
+                if accumulating
+                else sum(grad_shard(u) for u in layers_trained),
+                "reduce_scatter": reduce_scatter(root_trained),
+            },
+        )
+    )
+    points.append(
+        PeakPoint(
+            "optimizer step",
+            {
+                **{
+                    k: v
+                    for k, v in held.items()
+                    if k not in ("root_whole_params", "accumulated_grad_shards")
+                },
+                "grads": view.grads,
+                "optimizer": view.optimizer,
+                **view.optimizer_temporaries,
+            },
+        )
+    )
+    return points
 
 
 def why(strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
@@ -170,6 +320,11 @@ class FSDP2Plan(PlanArithmetic):
 
         unit_of = units_of(model)
         return {"param_units": tuple(unit_of.get(id(p), -1) for p in params)}
+
+    def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
+        return peak_points(strategy.reshard_after_forward, view) or super().peak_points(
+            strategy, view
+        )
 
     def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
         return why(strategy, row, inputs)

@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from dpkit.core.spec import ModelSpec, PlanInputs
+    from dpkit.core.step import PeakPoint, PeakView
     from dpkit.core.units import GradientHighWater, ModelStateBytes
     from dpkit.engines.roles.views import PlanRowView
 
@@ -121,6 +122,51 @@ class PlanArithmetic:
         between the memory report's probe points, so that a run's counted tensors never
         include them (a GPU's allocator peak does)."""
         return ()
+
+    def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
+        """The points of one step where this backend's live bytes may peak, each with what
+        is alive there (:mod:`dpkit.plan.peak` takes the largest). The default: states
+        as the plan counts them, its buffers held through the forward and the backward
+        (ZeRO-3's gathered parameters and buckets), gradients stored as they arrive."""
+        from dpkit.core.step import PeakPoint
+
+        trace = view.trace
+        held = {
+            "params": view.params,
+            "master": view.master,
+            "batch": trace.batch,
+        }
+        buffers = {name: v for name, v in view.buffer_parts.items() if v}
+        return [
+            PeakPoint(
+                trace.forward_point,
+                {
+                    **held,
+                    **buffers,
+                    "optimizer": view.optimizer_before_update,
+                    "activations": trace.forward_high,
+                },
+            ),
+            PeakPoint(
+                "backward",
+                {
+                    **held,
+                    **buffers,
+                    "optimizer": view.optimizer_before_update,
+                    "activations_and_grads": trace.backward_kept_high,
+                },
+            ),
+            PeakPoint(
+                "optimizer step",
+                {
+                    **held,
+                    "module_buffers": view.module_buffers,
+                    "grads": view.grads,
+                    "optimizer": view.optimizer,
+                    **view.optimizer_temporaries,
+                },
+            ),
+        ]
 
     def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
         """What choosing ``strategy`` buys and costs, for the plan's recommendation."""

@@ -1,0 +1,306 @@
+"""The step's predicted peak of live tensors (dpkit.plan.peak), checked three ways.
+
+(a) Arithmetic written out here from MiniLM's shapes: what each strategy holds at the
+point its peak is predicted at (DDP's update, FSDP2's reduce-scatter of the embeddings).
+(b) Literals measured by real 2-process runs (``peak_live`` in memory_report.json, the
+largest rank's; commands below): the prediction for the same step within 5%, at the
+same point.
+(c) One real launch shared with the other modules (``recipe_runs``): ``dpkit plan
+--against`` sets the prediction beside its measured peak, within 5%.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from dpkit.core.spec import PlanInputs
+from dpkit.core.step import PeakPoint, highest
+from dpkit.plan.check import check_dict, check_run
+from dpkit.plan.estimate import buffer_settings, estimate
+from dpkit.plan.inputs import load_model
+from dpkit.plan.peak import optimizer_temporaries, step_peak, step_trace_for
+
+MINILM = "sentence-transformers/all-MiniLM-L6-v2"
+PARAMS = 22_713_986  # MiniLM with its 2-label head, every parameter trained
+FP32 = 4
+MIB = 2**20
+
+
+def _minilm():
+    spec = load_model(MINILM, task="sequence_classification")
+    for key, value in spec.config.to_dict().items():  # the runs' --dropout 0
+        if "dropout" in key and isinstance(value, float):
+            setattr(spec.config, key, 0.0)
+    return spec
+
+
+def _peak(strategy: str, micro_batch: int = 8, seq_len: int = 40, precision: str = "fp32"):
+    """The CPU run's first-step peak as ``plan --against`` makes it (gloo, CPU kernels)."""
+    spec = _minilm()
+    inputs = PlanInputs(
+        model=spec, gpus_per_node=2, precision=precision, micro_batch=micro_batch, seq_len=seq_len
+    )
+    settings = buffer_settings(spec, 2, on_cuda=False)
+    row = estimate(inputs, strategy, micro_batch, None, settings)
+    trace = step_trace_for(inputs, strategy, micro_batch, device="cpu")
+    return step_peak(inputs, strategy, row, trace, settings, on_gpu=False)
+
+
+# --- (a) arithmetic from the shapes --------------------------------------------------
+
+
+def test_ddps_first_step_peaks_in_the_update_with_every_state_whole():
+    """DDP, fp32, fused AdamW: after its first update a rank holds the fp32 parameters,
+    its bucket gradients and AdamW's two moments (4 + 4 + 8 bytes per parameter), the
+    embeddings' two buffers (position and token type ids, 512 int64 each) and the batch (token ids, token types, mask: 3 x 8 x
+    40 int64, and 8 int64 labels). Nothing else: the fused update makes no temporaries."""
+    peak = _peak("ddp")
+    first = peak.first
+    assert first.point == "optimizer step" and first.covers("after update")
+    batch = 3 * 8 * 40 * 8 + 8 * 8
+    assert first.bytes == (4 + 4 + 8) * PARAMS + 2 * 512 * 8 + batch
+    # A later step's backward also holds the moments beside the activations.
+    assert peak.later.point == "backward"
+    assert peak.later.bytes > first.bytes
+
+
+def test_fsdp2_peaks_at_the_embeddings_reduce_scatter():
+    """FSDP2 full-shard on 2 ranks over gloo: the embeddings unit (word 30,522 x 384,
+    positions 512 x 384, token types 2 x 384, LayerNorm 2 x 384) is the largest and is
+    reduced near the end of backward, its activations gone. Its fp32 reduce-scatter input
+    is padded to ceil(d0/2) rows per rank, and gloo reduces a whole copy of it: two padded
+    copies alive. On a GPU (NCCL) the pair is the unit's whole gradients (unpadded) and the
+    input."""
+    rows = math.ceil(30522 / 2) + math.ceil(512 / 2) + math.ceil(2 / 2)
+    padded = 2 * (rows * 384 + 2 * math.ceil(384 / 2))
+    whole = 30522 * 384 + 512 * 384 + 2 * 384 + 2 * 384
+    first = _peak("fsdp2_full_shard").first
+    assert first.point == "backward"
+    assert first.parts["reduce_scatter"] == 2 * FP32 * padded
+    assert first.parts["activations"] < 1024  # the loss and the outputs' few logits
+    spec = _minilm()
+    inputs = PlanInputs(model=spec, gpus_per_node=2, precision="fp32", micro_batch=8, seq_len=40)
+    settings = buffer_settings(spec, 2)
+    row = estimate(inputs, "fsdp2_full_shard", 8, None, settings)
+    trace = step_trace_for(inputs, "fsdp2_full_shard", 8, device="cpu")
+    on_gpu = step_peak(inputs, "fsdp2_full_shard", row, trace, settings, on_gpu=True)
+    reductions = [p for p in on_gpu.first_step if "reduce_scatter" in p.parts]
+    assert max(p.parts["reduce_scatter"] for p in reductions) == FP32 * (whole + padded)
+
+
+def test_zero_first_step_update_holds_the_fp32_partition_and_the_moments():
+    """ZeRO-1/2 fp32 at 2 ranks, the update: the module's fp32 parameters, the fp32
+    master partition, the fp32 gradient partition it steps with and AdamW's two moments
+    of it (4 + (4 + 4 + 8) / 2 bytes per parameter)."""
+    for strategy in ("zero1", "zero2"):
+        update = [p for p in _peak(strategy).first_step if "fp32_grad_partition" in p.parts][0]
+        states = {k: v for k, v in update.parts.items() if k not in ("module_buffers", "batch")}
+        assert sum(states.values()) == 4 * PARAMS + (4 + 4 + 8) * PARAMS / 2
+
+
+def _lm_trace(vocab: int):
+    from transformers import GPT2Config
+
+    from dpkit.plan.inputs import spec_from_config
+    from dpkit.plan.step_trace import step_trace
+
+    config = GPT2Config(
+        vocab_size=vocab, n_positions=64, n_embd=64, n_layer=1, n_head=2, bos_token_id=0,
+        eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    return step_trace(spec_from_config("lm", "recipe", config), 2, 64, "fp32", False, device="cpu")
+
+
+def test_the_logits_and_the_loss_are_counted_where_they_peak():
+    """A causal LM's logits (micro-batch x tokens x vocabulary, fp32) against the same
+    model with twice the vocabulary: everything else is the same, so the difference is
+    the number of logit-sized tensors alive at each high-water times one logits' growth.
+    Forward, at the loss: the logits and cross-entropy's log-probabilities (saved for
+    backward): 2. Backward, in log_softmax's backward: the log-probabilities, the gradient
+    of the log-probabilities (nll's backward) and the logits' gradient it makes: 3. Not the
+    logits themselves: the recipes drop the model's output (``loss = model(**batch).loss``)
+    before the backward, and nothing saved them."""
+    small, large = _lm_trace(1000), _lm_trace(2000)
+    logits_growth = 2 * 64 * (2000 - 1000) * FP32
+    assert large.forward_point == "loss"
+    assert large.forward_high - small.forward_high == 2 * logits_growth
+    assert large.backward_high - small.backward_high == 3 * logits_growth
+
+
+def test_foreach_adamw_makes_one_denominator_per_group():
+    assert optimizer_temporaries("adamw", "fused", 1000) == {}
+    assert optimizer_temporaries("adamw", "foreach", 1000) == {"adamw_sqrt_denominator": 4000.0}
+    assert optimizer_temporaries("sgd", "foreach", 1000) == {}
+    with pytest.raises(ValueError, match="implementation"):
+        optimizer_temporaries("adamw", "fast", 1)
+
+
+def test_the_largest_candidate_is_the_peak_and_a_plateau_covers_its_later_points():
+    a = PeakPoint("backward", {"x": 2.0})
+    b = PeakPoint("optimizer step", {"x": 1.0, "y": 2.0}, through=("after update",))
+    assert highest([a, b]) is b and b.covers("after update") and not a.covers("loss")
+
+
+def test_the_plan_shows_each_strategys_peak_and_keeps_the_reserve_out_of_it():
+    """``dpkit plan``: a peak per strategy with its point, in the table and the JSON; the
+    reserve (what a GPU holds beside tensors) moves every total and no peak."""
+    from dpkit.core.units import GIB
+    from dpkit.plan.output import format_table, plan_dict
+    from dpkit.plan.recommend import make_plan
+
+    spec = _minilm()
+
+    def plan(reserve: int):
+        return make_plan(
+            PlanInputs(model=spec, gpus_per_node=2, micro_batch=8, seq_len=64, reserve=reserve)
+        )
+
+    small, large = plan(1 * GIB), plan(3 * GIB)
+    applicable = [r.strategy for r in small.rows if r.applicable]
+    assert sorted(small.peaks) == sorted(applicable)
+    for name in applicable:
+        assert large.peaks[name].bytes == small.peaks[name].bytes
+        assert large.row(name).total - small.row(name).total == 2 * GIB
+    table = format_table(small)
+    assert "peak: the step's high-water of live tensor bytes" in table
+    assert f"at {small.peaks['fsdp2_full_shard'].point}" in table
+    entry = next(s for s in plan_dict(small)["strategies"] if s["strategy"] == "zero2")
+    assert entry["peak"]["bytes"] == round(small.peaks["zero2"].bytes)
+    assert set(entry["peak"]) == {"bytes", "point", "first_step", "later_steps", "batch"}
+    assert entry["peak"]["batch"] == {"micro_batch": 8, "seq_len": 64}
+
+
+def test_a_bare_parameter_count_has_no_peak_and_says_why():
+    from dpkit.core.spec import ModelSpec
+    from dpkit.plan.output import format_table
+    from dpkit.plan.recommend import make_plan
+
+    plan = make_plan(PlanInputs(model=ModelSpec(name="1B", source="count", num_params=10**9)))
+    assert plan.peaks == {}
+    assert "peak: not predicted (a bare --params has no shapes to trace)" in format_table(plan)
+
+
+# --- (b) against measured literals ---------------------------------------------------
+
+# Measured 2026-12-07 on this branch: the largest rank's peak_live["bytes"] and point of
+# 2-process (FT4: 4-process) CPU runs (torch 2.13, gloo), each the first step at the batch it recorded:
+#   FT  = OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 recipes/finetune.py --strategy S
+#         --max-steps 2 --max-train-samples 64 --max-eval-samples 16 --micro-batch-size 8
+#         --max-seq-length 64 --warmup-ratio 0 --dropout 0 --eval-steps 0 --no-save-model
+#         --no-save-checkpoints --output-dir runs/S           (first step: 8 x 40 tokens)
+#   BIG = FT with --max-train-samples 128 --micro-batch-size 32 --max-seq-length 128
+#                                                              (first step: 32 x 56 tokens)
+#   LM  = torchrun --nproc_per_node 2 recipes/finetune_lm.py --strategy S --model LLAMA
+#         --dataset PAIRS (tests/test_finetune_lm.py's tiny Llama and pairs) --prompt-field
+#         prompt --response-field response --validation-fraction 0.15 --max-eval-samples 13
+#         --max-steps 2 --micro-batch-size 8 --max-seq-length 64 --warmup-ratio 0
+#         --dropout 0 --eval-steps 0 --no-save-model --no-save-checkpoints (8 x 64)
+#   TLM = torchrun --nproc_per_node 2 recipes/train_lm.py --strategy S --max_steps 2
+#         --micro_batch_size 8 --seq_len 128                 (the "small" GPT-2 shape)
+# id: (model, strategy, micro-batch, tokens, flags, measured bytes, measured point)
+MEASURED = {
+    "FT ddp": ("minilm", "ddp", 8, 40, {}, 363_440_172, "after update"),
+    "FT zero1": ("minilm", "zero1", 8, 40, {}, 273_976_168, "optimizer step"),
+    "FT zero2": ("minilm", "zero2", 8, 40, {}, 273_976_168, "optimizer step"),
+    "FT fsdp2": ("minilm", "fsdp2_full_shard", 8, 40, {}, 186_222_164, "backward"),
+    "FT ddp bf16": ("minilm", "ddp", 8, 40, {"precision": "bf16"}, 363_440_172, "after update"),
+    "FT zero2 bf16": ("minilm", "zero2", 8, 40, {"precision": "bf16"}, 227_000_678, "optimizer step"),
+    "FT fsdp2 bf16": ("minilm", "fsdp2_full_shard", 8, 40, {"precision": "bf16"}, 186_221_396, "backward"),
+    "FT ddp checkpointing": ("minilm", "ddp", 8, 40, {"gc": True}, 363_440_172, "after update"),
+    "BIG ddp": ("minilm", "ddp", 32, 56, {}, 465_224_476, "backward"),
+    "BIG zero2": ("minilm", "zero2", 32, 56, {}, 420_394_032, "backward"),
+    "BIG fsdp2": ("minilm", "fsdp2_full_shard", 32, 56, {}, 344_328_224, "backward"),
+    "BIG ddp checkpointing": ("minilm", "ddp", 32, 56, {"gc": True}, 363_475_692, "after update"),
+    "BIG ddp lora r8": ("minilm", "ddp", 32, 56, {"lora": 8}, 298_959_652, "backward"),
+    "LM ddp": ("llama", "ddp", 8, 64, {}, 9_125_196, "backward"),
+    "LM zero2": ("llama", "zero2", 8, 64, {}, 9_404_368, "backward"),
+    "LM fsdp2": ("llama", "fsdp2_full_shard", 8, 64, {}, 9_256_396, "backward"),
+    "TLM zero2": ("train_lm", "zero2", 8, 128, {}, 596_550_672, "backward"),
+    "BIG zero1": ("minilm", "zero1", 32, 56, {}, 420_394_032, "backward"),
+    "BIG fsdp2 shard-grad-op": ("minilm", "fsdp2_shard_grad_op", 32, 56, {}, 420_394_016, "backward"),
+    "FT fsdp2 shard-grad-op": ("minilm", "fsdp2_shard_grad_op", 8, 40, {}, 192_503_628, "forward"),
+    "BIG zero2 checkpointing": ("minilm", "zero2", 32, 56, {"gc": True}, 274_011_688, "optimizer step"),
+    "BIG fsdp2 checkpointing": ("minilm", "fsdp2_full_shard", 32, 56, {"gc": True}, 187_066_144, "backward"),
+    "BIG zero2 lora r8": ("minilm", "zero2", 32, 56, {"lora": 8}, 299_108_664, "backward"),
+    "BIG fsdp2 lora r8": ("minilm", "fsdp2_full_shard", 32, 56, {"lora": 8}, 267_979_308, "backward"),
+    "FT zero1 bf16": ("minilm", "zero1", 8, 40, {"precision": "bf16"}, 227_000_678, "optimizer step"),
+    # Predicted at the forward: DDP's buckets are alive there (allocated at wrap time), but
+    # the first step's measure counts them only from the backward's first write into them.
+    "BIG ddp bf16": ("minilm", "ddp", 32, 56, {"precision": "bf16", "predicted_point": "forward"}, 380_854_300, "backward"),
+    # BIG with --micro-batch-size 16 --gradient-accumulation-steps 2: the second micro-batch
+    "GA ddp": ("minilm", "ddp", 16, 56, {"ga": 2}, 414_932_784, "backward"),
+    "GA zero2": ("minilm", "zero2", 16, 48, {"ga": 2}, 350_384_716, "backward"),
+    "GA fsdp2": ("minilm", "fsdp2_full_shard", 16, 56, {"ga": 2}, 249_206_072, "backward"),
+    # FT under torchrun --nproc_per_node 4 (the largest rank's batch)
+    "FT4 ddp": ("minilm", "ddp", 8, 48, {"ranks": 4}, 363_441_708, "after update"),
+    "FT4 zero2": ("minilm", "zero2", 8, 40, {"ranks": 4}, 205_865_720, "optimizer step"),
+    "FT4 fsdp2": ("minilm", "fsdp2_full_shard", 8, 48, {"ranks": 4}, 145_311_976, "backward"),
+}  # fmt: skip
+
+
+def _spec(model: str, tmp_path_factory, lora: int | None = None):
+    from dpkit.lora import LoraSettings
+
+    if model == "minilm":
+        if lora is None:
+            return _minilm()
+        spec = load_model(
+            MINILM, task="sequence_classification", lora=LoraSettings.from_flags({"lora_r": lora})
+        )
+    elif model == "llama":
+        from tests import local_models
+
+        folder = local_models.build("llama", tmp_path_factory.mktemp("llama") / "llama")
+        spec = load_model(str(folder), task="causal_lm")
+    else:
+        from dpkit.data import lm as lm_data
+        from dpkit.plan.inputs import spec_from_config
+
+        workload = lm_data.LMWorkload(micro_batch_size=8, seq_len=128)
+        return spec_from_config("train_lm", "recipe", lm_data.lm_config(workload))
+    for key, value in spec.config.to_dict().items():  # the runs' --dropout 0
+        if "dropout" in key and isinstance(value, float):
+            setattr(spec.config, key, 0.0)
+    return spec
+
+
+@pytest.mark.parametrize("case", sorted(MEASURED))
+def test_the_first_steps_peak_is_within_5_percent_of_the_measured_one(case, tmp_path_factory):
+    model, strategy, micro_batch, tokens, flags, measured, point = MEASURED[case]
+    spec = _spec(model, tmp_path_factory, flags.get("lora"))
+    ranks = flags.get("ranks", 2)
+    inputs = PlanInputs(
+        model=spec,
+        gpus_per_node=ranks,
+        precision=flags.get("precision", "fp32"),
+        micro_batch=micro_batch,
+        seq_len=tokens,
+        activation_checkpointing=flags.get("gc", False),
+        gradient_accumulation_steps=flags.get("ga", 1),
+    )
+    settings = buffer_settings(spec, ranks, on_cuda=False)
+    row = estimate(inputs, strategy, micro_batch, None, settings)
+    trace = step_trace_for(inputs, strategy, micro_batch, device="cpu")
+    first = step_peak(inputs, strategy, row, trace, settings, on_gpu=False).first
+    assert abs(first.bytes - measured) / measured < 0.05
+    assert first.covers(flags.get("predicted_point", point))
+
+
+# --- (c) a real run ------------------------------------------------------------------
+
+
+@pytest.mark.multiprocess
+def test_plan_against_a_ddp_run_predicts_its_peak_within_5_percent(recipe_runs):
+    launch = recipe_runs("accelerate_multi_gpu")
+    check = check_run(launch.output_dir)
+    assert "peak" not in check.not_predicted
+    error = check.error_pct["peak"]
+    assert error is not None and abs(error) < 5.0
+    assert check.peak is not None and check.peak_measured is not None
+    assert check.peak.first.covers(check.peak_measured["point"])
+    as_json = check_dict(check)
+    assert as_json["peak"]["first_step"]["point"] == check.peak.first.point
+    assert as_json["measured_bytes"]["peak"] == round(check.peak_measured["bytes"])
