@@ -248,6 +248,7 @@ class DeepSpeedEngine(Engine):
             stage=strategy.zero_stage,
             largest_param_numel=sizes.largest_param_numel,
             on_cuda=request.on_cuda,
+            offload=offload is not None,
         )
         ds_config = fill_deepspeed_config(
             template,
@@ -273,6 +274,9 @@ class DeepSpeedEngine(Engine):
                     "with an L2-decay one; set it to false or leave it out"
                 )
             ds_config["zero_force_ds_cpu_optimizer"] = False
+            # DeepSpeed runs offload with contiguous gradients whatever the config says
+            # (stage_1_and_2.py: contiguous_gradients or cpu_offload): the config says so.
+            ds_config.setdefault("zero_optimization", {})["contiguous_gradients"] = True
         return ZeroSettings(
             notes=common.note_find_unused(strategy, request),
             ds_config=ds_config,
@@ -318,7 +322,8 @@ class DeepSpeedEngine(Engine):
             (("reduce_bucket_size", int(size)),) for size in sizes if int(size) != bucket
         ]
         contiguous = bool(ran_with.get("contiguous_gradients", True))
-        variants.append((("contiguous_gradients", not contiguous),))
+        if not strategy.offload:  # DeepSpeed forces it on under offload: no variant
+            variants.append((("contiguous_gradients", not contiguous),))
         if on_cuda and strategy.zero_stage == 2:
             overlap = bool(ran_with.get("overlap_comm", False))
             variants.append((("overlap_comm", not overlap),))
