@@ -420,7 +420,9 @@ def test_zero2_offload_matches_deepspeed_estimator(psi, gpus_per_node, specs):
     4N <= 16: fp32 grads, master and Adam state, which is N times the planner's
     host bytes per GPU. With more GPUs per node DeepSpeed counts 4 bytes per
     parameter per process instead (each process loading the fp32 model at
-    start-up), which the planner does not model."""
+    start-up), which the planner does not model. The estimator counts model states
+    only: the host staging buffers (the partition's 16-bit copy, 2 bytes x P/N in bf16,
+    and, with a layout, the largest parameter) are compared apart."""
     estimate_zero2, _ = _ds_estimators()
     n = gpus_per_node
     ds_cpu, ds_gpu = estimate_zero2(
@@ -431,7 +433,10 @@ def test_zero2_offload_matches_deepspeed_estimator(psi, gpus_per_node, specs):
     spec = ModelSpec(name=str(psi), source="count", num_params=psi)
     inputs = PlanInputs(model=spec, gpus_per_node=n, seq_len=1024)
     row = plan.estimate(inputs, "zero2_offload", 1, None, plan.buffer_settings(spec))
-    assert n * row.host_offload == ds_cpu
+    host_states = row.host["grads"] + row.host["optimizer"] + row.host["master"]
+    assert n * host_states == ds_cpu
+    assert row.host["buffers"] == 2 * psi / n  # no layout: no largest parameter to stage
+    assert row.host_offload == host_states + row.host["buffers"]
 
 
 @pytest.mark.parametrize("model", ["gpt2", "llama-7b"])

@@ -121,21 +121,35 @@ def test_zero1_bf16_holds_the_16_bit_gradients_and_the_fp32_cast(tmp_path):
     assert check.grads_paper == 2 * 27 and check.precision == "bf16"
 
 
-@pytest.mark.parametrize(("device", "offloaded"), [("cuda:0", True), ("cpu", False)])
-def test_offload_is_planned_off_the_gpu_only_on_a_gpu(tmp_path, device, offloaded):
-    """An offloaded ZeRO-2 run on a GPU keeps AdamW's moments and the master in host memory:
-    the GPU holds the bf16 module and the paper's 16-bit gradient partition (2 x 27 / 2 B;
-    offload builds the fp32 copy in host memory, so no layout is laid out on the GPU). On
-    the CPU host memory is the device's: planned, and measured, as ZeRO-2."""
-    report = _trainer_report(precision="bf16", device=device, offload_optimizer=True)
+@pytest.mark.parametrize("device", ["cuda:0", "cpu"])
+def test_offload_is_planned_on_device_and_host_wherever_it_ran(tmp_path, device):
+    """A ZeRO-2 offload run keeps Adam's moments, the master, the fp32 gradient partition
+    and two staging buffers in host memory, on a GPU and on a CPU alike (there the same
+    RAM, split by where DeepSpeed places them). Linear(8, 3), 27 parameters, bf16, 2
+    ranks: on the device the bf16 module (2 x 27 B) and no gradient (none is larger than
+    the bucket, so each passes through it to host memory); in host memory 8 x 27 / 2 B
+    of moments, 4 x 27 / 2 of master, 4 x 27 / 2 of fp32 gradients, and the buffers: the
+    partition's bf16 copy (2 x 27 / 2) and the largest parameter's staging (2 x 24)."""
+    report = _trainer_report(
+        strategy="zero2_offload", precision="bf16", device=device, offload_optimizer="cpu"
+    )
+    report["ranks"] = _ranks(
+        {"host": {"grads": 54.0, "optimizer": 108.0, "master": 54.0, "buffers": 75.0}},
+        {"host": {"grads": 54.0, "optimizer": 108.0, "master": 54.0, "buffers": 75.0}},
+    )
+    for row in report["ranks"]:
+        row["host_total"] = sum(row["host"].values())
     check = check_run(_write(tmp_path, report))
-    if offloaded:
-        assert _states(check.predicted) == {
-            "params": 54, "grads": 27, "optimizer": 0, "master": 0, "total": 81,
-        }  # fmt: skip
-    else:
-        assert (check.predicted["optimizer"], check.predicted["master"]) == (108, 54)
-    assert check.strategy == "zero2"  # the report's name, as it was run
+    assert _states(check.predicted) == {
+        "params": 54, "grads": 0, "optimizer": 0, "master": 0, "total": 54,
+    }  # fmt: skip
+    host = {k: v for k, v in check.predicted.items() if k.startswith("host ")}
+    assert host == {
+        "host grads": 54, "host optimizer": 108, "host master": 54, "host buffers": 27 + 48,
+        "host total": 54 + 108 + 54 + 75,
+    }  # fmt: skip
+    assert all(check.error_pct[k] == 0 for k in host)
+    assert check.strategy == "zero2_offload"
 
 
 def test_measured_is_the_largest_rank_per_category_and_the_error_is_against_it(tmp_path):

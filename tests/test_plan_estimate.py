@@ -51,7 +51,13 @@ def test_every_row_of_a_count_by_hand():
     result = make_plan(_count_inputs(gpu_memory=100 * GB))
     assert {r.strategy: r.total for r in result.rows} == BY_HAND
     offload = result.row("zero2_offload")
-    assert offload.host_offload == 2 * GB
+    # Host per GPU, N = 8: fp32 gradient partition 4/8, Adam state 8/8, master 4/8 bytes a
+    # parameter; buffers: the partition's bf16 copy 2/8 (a bare count has no largest
+    # parameter to stage).
+    assert offload.host == {
+        "grads": 0.5 * GB, "optimizer": 1 * GB, "master": 0.5 * GB, "buffers": 0.25 * GB,
+    }  # fmt: skip
+    assert offload.host_offload == 2.25 * GB
     assert (offload.optimizer, offload.master, offload.step_parts) == (0, 0, {})
     zero3 = result.row("zero3")
     assert zero3.buffer_parts == {
@@ -120,7 +126,7 @@ def test_cpu_adam_runs_only_offloaded_and_says_so():
     assert result.reason == (
         "--optimizer cpu_adam runs only with optimizer offload. Offload keeps ZeRO-2's "
         "sharding and moves optimizer state, master weights and fp32 gradients to host memory "
-        "(1.9 GiB per GPU, 14.9 GiB per node); the optimizer step runs on the CPU and "
+        "(2.1 GiB per GPU, 16.8 GiB per node); the optimizer step runs on the CPU and "
         "gradients and weights cross PCIe every step, so steps slow down."
     )
     assert result.largest_micro_batches["ddp"] is None
@@ -140,9 +146,11 @@ def test_one_gpu_that_only_offload_fits_is_told_what_did_not_fit():
 def test_offload_adam_becomes_cpu_adam_and_sgd_stays_sgd():
     """Offloaded, DeepSpeed swaps AdamW for its CPU Adam (the same 8 bytes of state, on the
     host); SGD runs on the CPU as itself (no state): only the master (4/8) and the fp32
-    gradient partition (4/8) are on the host then."""
+    gradient partition (4/8) are on the host then, each beside the partition's bf16 copy
+    (2/8)."""
     settings = plan.buffer_settings(COUNT, 8)
-    for optimizer, host in (("adamw", 2 * GB), ("sgd", 1 * GB), ("sgd_momentum", 1.5 * GB)):
+    hosts = (("adamw", 2.25 * GB), ("sgd", 1.25 * GB), ("sgd_momentum", 1.75 * GB))
+    for optimizer, host in hosts:
         row = plan.estimate(_count_inputs(optimizer=optimizer), "zero2_offload", 1, None, settings)
         assert (row.applicable, row.host_offload) == (True, host), optimizer
 
@@ -456,11 +464,15 @@ def test_the_worst_ranks_backward_and_step_may_be_on_different_ranks():
     )
     assert plan.estimate(two, "zero2", 1, None, settings).grads_backward == 4 * 48
     # Not laid out: DDP (its 4 Psi), ZeRO-3 (its partition and the step's fp32 copy of it,
-    # twice the paper's in fp32), offload (the paper's), a bare count.
-    for strategy, grads in (("ddp", 128), ("zero3", 2 * 64), ("zero2_offload", 64)):
+    # twice the paper's in fp32), a bare count.
+    for strategy, grads in (("ddp", 128), ("zero3", 2 * 64)):
         other = plan.estimate(inputs, strategy, 1, None, settings)
         assert (other.grads, other.grads_backward, other.grads_step) == (grads, None, None)
         assert other.grads_where == ""
+    # Offload: on the device only the whole gradient of the 16 (over the bucket) waiting
+    # for its copy to host memory, at the end of backward: 4 x 16; none at the step.
+    offload = plan.estimate(inputs, "zero2_offload", 1, None, settings)
+    assert (offload.grads, offload.grads_backward, offload.grads_step) == (64, 64, 0)
 
 
 def test_why_zero3_points_to_a_config_of_ones_own():

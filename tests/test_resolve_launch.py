@@ -527,7 +527,7 @@ def test_a_yaml_path_found_nowhere_names_the_key(tmp_path, monkeypatch):
     assert str(refused.value) == (
         "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)='conf/mine.json': no such "
         "file in the current directory, and not one of dpkit's shipped configs "
-        "(zero1.json, zero2.json, zero3.json)"
+        "(zero1.json, zero2.json, zero2_offload.json, zero3.json)"
     )
 
 

@@ -176,7 +176,7 @@ def test_a_zero2_run_resolves_every_field(tmp_path):
         max_grad_norm=0.5,
         env=deepspeed_launcher_env(2),
     )
-    assert resolution.strategy.name == "zero2"
+    assert resolution.strategy.name == "zero2_offload"
     assert resolution.source == f"--deepspeed {path}"
     assert resolution.settings.config_path == str(path)
     assert resolution.precision == "bf16"
@@ -206,7 +206,8 @@ def test_a_zero2_run_resolves_every_field(tmp_path):
         "reduce_bucket_size": 4_194_304,
         "allgather_bucket_size": 4_194_304,
         "overlap_comm": False,  # CPU: nothing to overlap
-        "contiguous_gradients": False,
+        # Written on: DeepSpeed forces it under offload (contiguous_gradients or cpu_offload).
+        "contiguous_gradients": True,
         "round_robin_gradients": False,
         "reduce_scatter": True,
     }

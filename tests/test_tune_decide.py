@@ -476,8 +476,8 @@ def test_without_ddp_at_the_same_micro_batch_the_nearest_is_the_reference():
         ),
         (
             {"strategies": ("ddp", "zero2_offload")},
-            "strategies='ddp,zero2_offload': zero2_offload is not run by dpkit's recipes; a "
-            "list of ddp, zero1, zero2, fsdp2_shard_grad_op, fsdp2_full_shard",
+            "strategies='ddp,zero2_offload': dpkit tune does not try zero2_offload yet (the "
+            "recipes run it); a list of ddp, zero1, zero2, fsdp2_shard_grad_op, fsdp2_full_shard",
         ),
         ({"strategies": ("fsdp2_full_shard",) * 2}, "listed twice"),
         ({"baseline_strategy": "zero2_offload"}, "baseline_strategy='zero2_offload': one of"),

@@ -8,6 +8,12 @@ counted by their storage's size, under the first category that claims it.
 The claim order is therefore part of the accounting and is spelled out in
 each engine's walk.
 
+Each claim also says where the backend placed the storage: ``device`` (the compute
+device) or ``host`` (host memory the backend offloads to, DeepSpeed's optimizer offload).
+On a CPU run both are the same RAM and ``tensor.device`` is ``cpu`` either way, so the
+placement comes from the backend's structure, as the engine's walk knows it, not from
+the tensor. A category's figure is its device bytes; its host bytes are kept beside it.
+
 Gradients live for a fraction of each step and, under some backends, not in
 ``param.grad``: :mod:`dpkit.memory.probes` runs this walk at the points of a
 step where they exist.
@@ -56,8 +62,9 @@ class Ledger:
 
     def __init__(self, keep_tensors: bool = False) -> None:
         self._owner: dict[tuple[str, int, int], str] = {}
-        # category -> holder name -> bytes
+        # category -> holder name -> bytes, on the device and in host memory
         self.holders: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
+        self.host_holders: dict[str, dict[str, float]] = {c: {} for c in CATEGORIES}
         # (tensor, category) of every storage counted, when asked (the live-bytes tracker
         # follows them from there: dpkit.memory.live).
         self._tensors: list[tuple[torch.Tensor, str]] | None = [] if keep_tensors else None
@@ -74,8 +81,9 @@ class Ledger:
         key = storage_key(tensor)
         return None if key is None else self._owner.get(key)
 
-    def claim(self, tensor: Any, category: str, holder: str) -> bool:
-        """Count ``tensor``'s storage under ``category``/``holder`` unless already counted."""
+    def claim(self, tensor: Any, category: str, holder: str, placement: str = "device") -> bool:
+        """Count ``tensor``'s storage under ``category``/``holder`` unless already counted;
+        ``placement``: ``device`` or ``host``, where the backend keeps it."""
         if not isinstance(tensor, torch.Tensor):
             return False
         tensor = local_shard(tensor)
@@ -85,17 +93,24 @@ class Ledger:
         self._owner[key] = category
         if self._tensors is not None:
             self._tensors.append((tensor, category))
-        bucket = self.holders[category]
+        bucket = (self.host_holders if placement == "host" else self.holders)[category]
         bucket[holder] = bucket.get(holder, 0.0) + float(tensor.untyped_storage().nbytes())
         return True
 
-    def claim_all(self, tensors: Iterable[Any], category: str, holder: str) -> None:
+    def claim_all(
+        self, tensors: Iterable[Any], category: str, holder: str, placement: str = "device"
+    ) -> None:
+        """:meth:`claim` each of ``tensors``."""
         for tensor in tensors:
-            self.claim(tensor, category, holder)
+            self.claim(tensor, category, holder, placement)
 
     def snapshot(self) -> dict[str, Any]:
+        """Device bytes per category, their ``holders``; host bytes per category under
+        ``host`` and their holders under ``host_holders``."""
         totals: dict[str, Any] = {c: sum(self.holders[c].values()) for c in CATEGORIES}
         totals["holders"] = {c: dict(h) for c, h in self.holders.items() if h}
+        totals["host"] = {c: sum(self.host_holders[c].values()) for c in CATEGORIES}
+        totals["host_holders"] = {c: dict(h) for c, h in self.host_holders.items() if h}
         return totals
 
 
@@ -154,13 +169,16 @@ def tensors_in(value: Any) -> Iterable[torch.Tensor]:
             yield from tensors_in(item)
 
 
-def claim_optimizer_state(ledger: Ledger, torch_opt: torch.optim.Optimizer | None) -> None:
+def claim_optimizer_state(
+    ledger: Ledger, torch_opt: torch.optim.Optimizer | None, placement: str = "device"
+) -> None:
+    """Claim every tensor of the optimizer's state (placed at ``placement``)."""
     if torch_opt is None:
         return
     for state in torch_opt.state.values():
         for name, value in state.items():
             # Holder named by the state key (exp_avg, exp_avg_sq, step...): says which state it is.
-            ledger.claim_all(tensors_in(value), "optimizer", str(name))
+            ledger.claim_all(tensors_in(value), "optimizer", str(name), placement)
 
 
 def claim_module_buffers(ledger: Ledger, module: torch.nn.Module) -> None:

@@ -201,6 +201,8 @@ class StepProbes:
         self.optimizer = optimizer
         self.engine = engine
         self.high_water: dict[str, dict[str, Any]] = {}
+        # The same for the bytes the backend keeps in host memory (offload), per category.
+        self.host_high_water: dict[str, dict[str, Any]] = {}
         self.phases: dict[str, dict[str, float]] = {}
         self.largest_moment: dict[str, Any] = {}
         # Buffers an engine sizes rather than walks, by name, at their largest (DeepSpeed's
@@ -299,6 +301,14 @@ class StepProbes:
                     "point": point,
                     "holders": dict(snap["holders"].get(category, {})),
                 }
+        for category, nbytes in snap.get("host", {}).items():
+            best = self.host_high_water.get(category)
+            if nbytes and (best is None or nbytes > best["bytes"]):
+                self.host_high_water[category] = {
+                    "bytes": nbytes,
+                    "point": point,
+                    "holders": dict(snap["host_holders"].get(category, {})),
+                }
         total = sum(snap[c] for c in CATEGORIES)
         if total > self.largest_moment.get("total", -1.0):
             self.largest_moment = {"point": point, "total": total, **self.phases[point]}
@@ -308,6 +318,7 @@ class StepProbes:
 
     def reset(self) -> None:
         self.high_water.clear()
+        self.host_high_water.clear()
         self.phases.clear()
         self.largest_moment = {}
         self.sized_buffers.clear()

@@ -52,6 +52,8 @@ class MemoryReport:
     ranks: list[dict[str, Any]]
     optimizer_name: str = "adamw"
     device: str = "cpu"
+    # The class of the optimizer that ran (``AdamW``, ``DeepSpeedCPUAdam``), or "".
+    optimizer_class: str = ""
     step: int | None = None
     # An excess smaller than this share of the prediction (alignment padding, the
     # optimizer's scalar `step` tensors) is reported in the % error, not as a residual.
@@ -118,11 +120,18 @@ class MemoryReport:
         return sorted(self.ranks, key=lambda r: r["rank"])
 
     def measured(self) -> dict[str, float]:
-        """Per category, the largest figure over ranks."""
+        """Per category, the largest device figure over ranks."""
         figures = {c: max(float(r[c]) for r in self.ranks) for c in MODEL_STATES}
         figures["model_state_total"] = max(float(r["model_state_total"]) for r in self.ranks)
         figures["buffers_total"] = max(float(r["buffers_total"]) for r in self.ranks)
         return figures
+
+    def measured_host(self) -> dict[str, float]:
+        """Per category (and buffers), the largest host figure over ranks (offload)."""
+        return {
+            c: max(float(r.get("host", {}).get(c, 0.0)) for r in self.ranks)
+            for c in (*MODEL_STATES, "buffers")
+        }
 
     def error_pct(self) -> dict[str, float | None]:
         predicted = self.predicted.as_dict()
@@ -202,6 +211,7 @@ class MemoryReport:
             "strategy": self.strategy,
             "precision": self.precision,
             "optimizer": self.optimizer_name,
+            "optimizer_class": self.optimizer_class,
             "world_size": self.world_size,
             "num_params": self.num_params,
             "device": self.device,
@@ -209,6 +219,7 @@ class MemoryReport:
             "residual_tolerance_pct": self.residual_tolerance_pct,
             "ranks": self.ranks,
             "measured": self.measured(),
+            "measured_host": self.measured_host(),
             "predicted": self.predicted.as_dict(),
             "predicted_grads_paper": self.paper_grads,
             "full_replication": self.full_replication.as_dict(),
@@ -242,6 +253,7 @@ class MemoryReport:
             num_params=int(data["num_params"]),
             ranks=list(data["ranks"]),
             optimizer_name=data.get("optimizer", "adamw"),
+            optimizer_class=data.get("optimizer_class", ""),
             device=data.get("device", "cpu"),
             step=data.get("step"),
             residual_tolerance_pct=float(data.get("residual_tolerance_pct", 1.0)),
@@ -317,7 +329,9 @@ class MemoryReport:
                 else ""
             )
             + f", {self.world_size} ranks, {self.precision}, "
-            f"{self.optimizer_name}, {self._params_text()}, {self.device}"
+            f"{self.optimizer_name}"
+            + (f" ({self.optimizer_class})" if self.optimizer_class else "")
+            + f", {self._params_text()}, {self.device}"
             + (f", step {self.step}" if self.step is not None else ""),
             _line("MiB", columns, peak_name),
         ]
@@ -333,6 +347,13 @@ class MemoryReport:
             if not row.get("grads_measured", True):
                 cells[MODEL_STATES.index("grads")] = "unmeasured"
             lines.append(_line(f"rank {row['rank']}", cells, peak_text))
+        if any(row.get("host_total") for row in self.ranks):
+            # Offload: the rows above are the device's; what the backend keeps in host memory.
+            for row in self._by_rank():
+                host = row.get("host", {})
+                values = [host.get(c, 0.0) for c in MODEL_STATES]
+                values += [sum(values), host.get("buffers", 0.0)]
+                lines.append(_line(f"rank {row['rank']} host", [_mib(v) for v in values]))
         for label, figures in (("predicted", predicted), ("full replication", full)):
             values = [figures[c] for c in (*MODEL_STATES, "total")]
             lines.append(_line(label, [_mib(v) for v in values]))

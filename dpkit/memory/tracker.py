@@ -33,7 +33,7 @@ from dpkit.core.categories import MODEL_STATES
 from dpkit.core.params import whole_numel, whole_shape
 from dpkit.core.strategy import Strategy
 from dpkit.core.units import canonical_precision
-from dpkit.core.walk import unwrap_module, walk
+from dpkit.core.walk import inner_torch_optimizer, unwrap_module, walk
 from dpkit.engines import engine_of, get_strategy
 from dpkit.lora import lora_settings
 from dpkit.memory.live import PeakLive
@@ -142,6 +142,21 @@ def measure_rank(
                 "report",
             )
         row[category] = float(value)
+    # What the backend keeps in host memory (offload), by category, at each one's
+    # high-water; the figures above are the device's.
+    host: dict[str, float] = {}
+    host_holders: dict[str, dict[str, float]] = {}
+    for category in (*MODEL_STATES, "buffers"):
+        best = probes.host_high_water.get(category) if probes is not None else None
+        current = now["host"].get(category, 0.0)
+        if best is not None and best["bytes"] >= current:
+            host[category], host_holders[category] = best["bytes"], best["holders"]
+        elif current:
+            host[category] = current
+            host_holders[category] = now["host_holders"].get(category, {})
+    row["host"] = {c: float(host.get(c, 0.0)) for c in (*MODEL_STATES, "buffers")}
+    row["host_total"] = sum(row["host"].values())
+    row["host_holders"] = host_holders
     buffer_names = dict(holders.pop("buffers"))
     sized = getattr(probes, "sized_buffers", {}) if probes is not None else {}
     for name, nbytes in sized.items():
@@ -246,7 +261,11 @@ class MemoryTracker:
         self.optimizer = optimizer
         self.strategy = get_strategy(strategy)
         self.precision = canonical_precision(precision)
-        self.optimizer_name = optimizer_name
+        # The optimizer that runs: a backend may build its own (DeepSpeed's CPU Adam
+        # under offload), whatever the caller assumed.
+        self.optimizer_class = type(inner_torch_optimizer(optimizer) or optimizer).__name__
+        chosen = engine_of(get_strategy(strategy)).memory.optimizer_in_effect(optimizer)
+        self.optimizer_name = chosen or optimizer_name
         self.offload_optimizer = offload_optimizer
         # A backend whose first step is not yet its steady one (ZeRO-3 records its
         # parameter trace in step 1 and gathers ahead only from step 2) is probed up to
@@ -350,10 +369,10 @@ class MemoryTracker:
                 "there were not seen, so the gradient figure is marked unmeasured"
             )
         device = rows[0].get("device", "cpu")
-        if self.offload_optimizer and not device.startswith("cuda"):
+        if any(r.get("host_total") for r in rows) and not device.startswith("cuda"):
             notes.append(
-                f"optimizer state offloaded to {self.offload_optimizer} on a CPU run: host and "
-                "device memory are one, so the offloaded bytes are counted as on the device"
+                "CPU run: host and device bytes are the same RAM, split by where the backend "
+                "places them (device: the categories; host: the offloaded ones)"
             )
         if not device.startswith("cuda"):
             notes.append(
@@ -372,6 +391,7 @@ class MemoryTracker:
             num_params=count_params(self.model),
             ranks=sorted(rows, key=lambda r: r["rank"]),
             optimizer_name=self.optimizer_name,
+            optimizer_class=self.optimizer_class,
             device=device,
             step=step,
             notes=notes,

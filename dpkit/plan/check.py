@@ -25,7 +25,7 @@ from dpkit.core.categories import MODEL_STATES
 from dpkit.core.spec import ModelSpec, PlanInputs
 from dpkit.core.step import PeakPoint
 from dpkit.core.units import canonical_precision
-from dpkit.engines import ENGINES, engine_of, get_strategy, offloaded
+from dpkit.engines import ENGINES, engine_of, get_strategy
 from dpkit.errors import UsageError
 from dpkit.plan.activations import activation_profile, saved_bytes
 from dpkit.plan.estimate import StrategyEstimate, buffer_settings, estimate
@@ -36,6 +36,9 @@ CATEGORIES = MODEL_STATES
 """The model-state rows of the check, one by one (their sum is ``total``)."""
 OTHER_ROWS = ("buffers", "activations")
 """The rows after ``total``: communication buffers, and the bytes saved for backward."""
+HOST_ROWS = ("grads", "optimizer", "master", "buffers")
+"""Under offload, the categories the backend keeps in host memory: rows ``host <c>`` and
+``host total`` after the device's (the rows above are then the device's)."""
 MIB = 2**20
 
 
@@ -75,6 +78,8 @@ class PlanCheck:
     activation_method: str = ""
     """How the activations were planned: ``trace`` (the model's forward on the meta
     device), or ``formula: <why the trace failed>``."""
+    on_gpu: bool = False
+    """The run ran on CUDA devices (else host and device are the same RAM)."""
     peak: StepPeak | None = None
     """The step's peak of live tensors, predicted for the batch the run measured it at
     (``predicted["peak"]`` is its first step's, what ``peak_live`` measures)."""
@@ -308,10 +313,6 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     )
     settings = _run_settings(report, buffer_settings(spec, world_size))
     strategy = get_strategy(report["strategy"])
-    if report.get("offload_optimizer") and on_gpu:
-        # Optimizer state and master weights off the GPU: the plan's offload row. (A CPU
-        # run's host memory is its device memory: planned, and measured, as ZeRO-2.)
-        strategy = offloaded(strategy)
     row: StrategyEstimate = estimate(inputs, strategy, inputs.micro_batch, profile, settings)
     predicted = {c: float(getattr(row, c)) for c in CATEGORIES}
     predicted["total"] = sum(predicted.values())
@@ -319,6 +320,17 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     measured["total"] = max(float(r["model_state_total"]) for r in report["ranks"])
     predicted["buffers"] = row.buffers
     measured["buffers"] = max(float(r.get("buffers_total", 0.0)) for r in report["ranks"])
+    # Offload: what the backend keeps in host memory, per category, planned beside what
+    # the walk placed there (on a CPU run too: same RAM, split by the backend's placement).
+    measured_host = {
+        c: max(float(r.get("host", {}).get(c, 0.0)) for r in report["ranks"]) for c in HOST_ROWS
+    }
+    if any(row.host.values()) or any(measured_host.values()):
+        for category in HOST_ROWS:
+            predicted[f"host {category}"] = float(row.host.get(category, 0.0))
+            measured[f"host {category}"] = measured_host[category]
+        predicted["host total"] = sum(float(row.host.get(c, 0.0)) for c in HOST_ROWS)
+        measured["host total"] = max(float(r.get("host_total", 0.0)) for r in report["ranks"])
     not_predicted: dict[str, str] = {}
     estimated_by = ""
     activations = [float(r["activations"]) for r in report["ranks"] if r.get("activations")]
@@ -340,6 +352,14 @@ def check_run(run_dir: str | Path) -> PlanCheck:
             f"not measured: {', '.join(unprobed)} live between the report's probe points"
         )
     peak, peak_measured, why_not = _peak(report, inputs, row, settings, on_gpu)
+    if not on_gpu and row.host_offload:
+        peak, why_not = (
+            None,
+            (
+                "a CPU run's live bytes hold host and device memory alike; the plan's peak is "
+                "the device's"
+            ),
+        )
     if peak is None or peak_measured is None:
         not_predicted["peak"] = why_not
     else:
@@ -362,6 +382,7 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         gradient_checkpointing=checkpointing,
         recomputed_layer=row.activation_parts.get("one_layer", 0.0),
         activation_method=estimated_by,
+        on_gpu=on_gpu,
         peak=peak,
         peak_measured=peak_measured,
     )
@@ -379,7 +400,8 @@ def format_check(check: PlanCheck) -> str:
         lines.append(f"  activations planned for {check.planned_batch}")
     lines += ["", f"{'MiB per GPU':<14}{'predicted':>11}{'measured':>11}{'error':>9}"]
     errors = check.error_pct
-    for key in (*CATEGORIES, "total", *OTHER_ROWS, "peak"):
+    host_keys = [k for k in check.predicted if k.startswith("host ")]
+    for key in (*CATEGORIES, "total", *OTHER_ROWS, "peak", *host_keys):
         if key in check.not_predicted:
             lines.append(f"{key:<14}{'-':>11}{'-':>11}{'-':>9}  {check.not_predicted[key]}")
             continue
@@ -399,6 +421,17 @@ def format_check(check: PlanCheck) -> str:
         "total: the model states; activations: bytes saved for backward in one forward "
         "(the report's measure)"
     )
+    if host_keys:
+        lines.append(
+            "host rows: what the backend keeps in host memory (offload); the rows above are "
+            "the device's"
+            + (
+                ""
+                if check.on_gpu
+                else "; on this CPU run both are the same RAM, split by "
+                "where the backend places them"
+            )
+        )
     if check.logits_peak >= 0.05 * MIB:  # a classifier's few logits: not worth a line
         lines.append(
             f"not in activations above: the loss's logits peak at the start of backward, "

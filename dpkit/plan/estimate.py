@@ -93,8 +93,11 @@ class StrategyEstimate:
     reserve: float = 0.0
     """The runtime reserve (``--reserve``)."""
     host_offload: float = 0.0
-    """Host bytes per GPU under offload: optimizer state, master weights, and the
-    fp32 gradient partition the CPU step reads."""
+    """Host bytes per GPU under offload: the sum of ``host``."""
+    host: dict[str, float] = field(default_factory=dict)
+    """Host bytes per GPU under offload, by category (``grads``, ``optimizer``,
+    ``master``, ``buffers``): what the backend keeps in host memory; the fields above
+    are the device's."""
     buffer_parts: dict[str, float] = field(default_factory=dict)
     """Buffers by name (see :func:`buffer_bytes`)."""
     step_parts: dict[str, float] = field(default_factory=dict)
@@ -218,7 +221,7 @@ def estimate(
         canonical_precision(inputs.precision),
         laid_out is not None,
     )
-    host_grads = engine.plan.host_bytes(strategy, float(num_params), inputs.world_size)
+    host = engine.plan.host_bytes(strategy, inputs, optimizer)
     return StrategyEstimate(
         strategy=strategy.name,
         applicable=True,
@@ -234,7 +237,8 @@ def estimate(
         buffers=sum(buffers.values()),
         step=sum(step.values()),
         reserve=float(inputs.reserve),
-        host_offload=states.offloaded_to_cpu + host_grads,
+        host_offload=sum(host.values()),
+        host=host,
         buffer_parts=buffers,
         step_parts=step,
         activation_parts=activation_parts,

@@ -77,7 +77,13 @@ def recommendation_order() -> list[Strategy]:
     DDP and DeepSpeed's ZeRO-1/2 do not fit, ahead of offload (a CPU step every step) and
     of a ZeRO-3 config of the user's own."""
     strategies = list(STRATEGIES.values())
-    return [s for s in strategies if s.runnable] + [s for s in strategies if not s.runnable]
+    # Offload steps on the CPU every step: after every runnable row that keeps its state
+    # on the device, however sharded (spike/offload: zero2_offload became runnable).
+    return (
+        [s for s in strategies if s.runnable and not s.offload]
+        + [s for s in strategies if s.runnable and s.offload]
+        + [s for s in strategies if not s.runnable]
+    )
 
 
 def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: PlanInputs) -> str:

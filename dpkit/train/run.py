@@ -235,6 +235,9 @@ class Run:
 
         if self.engine.optimizer_in_config(self.resolution.settings):
             return DummyOptim(params, lr=lr, weight_decay=weight_decay)
+        built = self.engine.build_optimizer(self.resolution.settings, params, lr, weight_decay)
+        if built is not None:
+            return built
         return adamw(params, lr=lr, weight_decay=weight_decay)
 
     def make_scheduler(self, name: str, optimizer: Any, warmup_steps: int, total_steps: int) -> Any:

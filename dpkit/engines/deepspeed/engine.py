@@ -75,7 +75,7 @@ ZERO2_OFFLOAD = Strategy(
     "deepspeed",
     2,
     offload=True,
-    runnable=False,
+    benched=False,
     summary="ZeRO-2 with optimizer state and master weights in host memory",
 )
 ZERO3 = Strategy("zero3", "ZeRO-3", "deepspeed", 3, benched=False, summary="parameters sharded too")
@@ -192,7 +192,7 @@ class DeepSpeedEngine(Engine):
         if launcher_path is None:
             return None
         template = read_ds_config(launcher_path)
-        launched = self.runnable(zero_stage=zero_stage_of(template, launcher_path))
+        launched = self._strategy_of(template, launcher_path)
         if args.strategy not in ("auto", launched.name):
             raise UsageError(
                 f"--strategy={args.strategy} conflicts with {launcher_source} "
@@ -205,6 +205,16 @@ class DeepSpeedEngine(Engine):
             config_template=template,
             notes=notes,
         )
+
+    def _strategy_of(self, template: Mapping[str, Any], path: str) -> Strategy:
+        """The row a DeepSpeed JSON runs: its stage, and ZeRO-2 with ``offload_optimizer``
+        is ``zero2_offload`` (spike: the stage alone named it ``zero2``)."""
+        from dpkit.engines.deepspeed.config import zero_stage_of
+
+        stage = zero_stage_of(template, path)
+        if stage == 2 and optimizer_offload(template, path) is not None:
+            return ZERO2_OFFLOAD
+        return self.runnable(zero_stage=stage)
 
     def from_flag(self, strategy: Strategy, args: FlagsView, env: Mapping[str, str]) -> Launch:
         """dpkit's own JSON for the stage; an accelerate launch without DeepSpeed cannot run it."""
@@ -238,6 +248,7 @@ class DeepSpeedEngine(Engine):
             stage=strategy.zero_stage,
             largest_param_numel=sizes.largest_param_numel,
             on_cuda=request.on_cuda,
+            offload=offload is not None,
         )
         ds_config = fill_deepspeed_config(
             template,
@@ -250,6 +261,22 @@ class DeepSpeedEngine(Engine):
             learning_rate=request.learning_rate,
             weight_decay=request.weight_decay,
         )
+        if offload is not None:
+            # accelerate swaps any client optimizer under offload for a new DeepSpeedCPUAdam
+            # unless this is false, and only a torch AdamW keeps adamw_mode=True there
+            # (accelerate/utils/deepspeed.py, map_pytorch_optim_to_deepspeed): the CPU Adam
+            # build_optimizer makes would become L2-decay Adam (measured: loss rel 4.3e-3
+            # off ZeRO-2 at step 2). With false, DeepSpeed takes it as built.
+            if ds_config.get("zero_force_ds_cpu_optimizer") is True:
+                raise UsageError(
+                    f"deepspeed config {path!r}: zero_force_ds_cpu_optimizer=true with "
+                    "offload_optimizer: accelerate would replace dpkit's AdamW-mode CPU Adam "
+                    "with an L2-decay one; set it to false or leave it out"
+                )
+            ds_config["zero_force_ds_cpu_optimizer"] = False
+            # DeepSpeed runs offload with contiguous gradients whatever the config says
+            # (stage_1_and_2.py: contiguous_gradients or cpu_offload): the config says so.
+            ds_config.setdefault("zero_optimization", {})["contiguous_gradients"] = True
         return ZeroSettings(
             notes=common.note_find_unused(strategy, request),
             ds_config=ds_config,
@@ -295,7 +322,8 @@ class DeepSpeedEngine(Engine):
             (("reduce_bucket_size", int(size)),) for size in sizes if int(size) != bucket
         ]
         contiguous = bool(ran_with.get("contiguous_gradients", True))
-        variants.append((("contiguous_gradients", not contiguous),))
+        if not strategy.offload:  # DeepSpeed forces it on under offload: no variant
+            variants.append((("contiguous_gradients", not contiguous),))
         if on_cuda and strategy.zero_stage == 2:
             overlap = bool(ran_with.get("overlap_comm", False))
             variants.append((("overlap_comm", not overlap),))
@@ -333,6 +361,19 @@ class DeepSpeedEngine(Engine):
     def optimizer_in_config(self, settings: ZeroSettings) -> bool:
         return "optimizer" in (settings.ds_config or {})
 
+    def build_optimizer(
+        self, settings: ZeroSettings, params: Any, lr: float, weight_decay: float
+    ) -> Any | None:
+        """Under optimizer offload, DeepSpeed's CPU Adam in AdamW mode (decoupled weight
+        decay, as torch's AdamW): DeepSpeed refuses a client torch optimizer there unless
+        ``zero_force_ds_cpu_optimizer: false``, and would then step it on host memory
+        unvectorised. Else None (the run's torch AdamW)."""
+        if settings.offload_optimizer is None:
+            return None
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True)
+
     def scheduler_in_config(self, settings: ZeroSettings) -> bool:
         return "scheduler" in (settings.ds_config or {})
 
@@ -356,6 +397,8 @@ class DeepSpeedEngine(Engine):
         if type(zero).__name__ == "DeepSpeedZeroOptimizer_Stage3":
             return self.runnable(zero_stage=3)
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
+        if stage == 2 and getattr(zero, "cpu_offload", False):
+            return ZERO2_OFFLOAD
         return self.runnable(zero_stage=stage)
 
     @contextlib.contextmanager

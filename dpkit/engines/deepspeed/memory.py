@@ -381,13 +381,18 @@ class DeepSpeedMemory(MeasuredMemory):
             return DDPMemory().walk(ledger, model, optimizer)
         module = unwrap_module(model)
         fp32_partitions = list(getattr(zero, "single_partition_of_fp32_groups", []))
+        # Under optimizer offload DeepSpeed builds the master partition, its gradient, the
+        # optimizer state and its staging buffers on `zero.device` ('cpu':
+        # stage_1_and_2.py, `self.device = 'cpu' if self.cpu_offload`): host memory. On
+        # a CPU run every tensor says `cpu`, so the placement is read from this flag.
+        host = "host" if getattr(zero, "cpu_offload", False) else "device"
         # 1. The fp32 master partition the inner optimizer updates (Psi/N per rank).
-        ledger.claim_all(fp32_partitions, "master", "zero_fp32_partition")
+        ledger.claim_all(fp32_partitions, "master", "zero_fp32_partition", host)
         # 2. The flat buffer the module's parameters are views of (all Psi, padded).
         ledger.claim_all(getattr(zero, "bit16_groups_flat", []), "params", "zero_flat_params")
         ledger.claim_all(module.parameters(), "params", "module parameters outside ZeRO groups")
-        # 3. Optimizer state on the fp32 partition.
-        claim_optimizer_state(ledger, getattr(zero, "optimizer", None))
+        # 3. Optimizer state on the fp32 partition (beside it, in host memory under offload).
+        claim_optimizer_state(ledger, getattr(zero, "optimizer", None), host)
         # 4. Gradients ZeRO keeps on purpose: the reduced partition (during backward, in
         # grads_in_partition / averaged_gradients; during the step, as the master's .grad).
         for partition in fp32_partitions:
@@ -397,7 +402,7 @@ class DeepSpeedMemory(MeasuredMemory):
                 # inside one parameter keeps that parameter's whole gradient alive through the step.
                 whole = grad.untyped_storage().nbytes() > grad.numel() * grad.element_size()
                 suffix = " (a view: keeps a whole parameter's gradient alive)" if whole else ""
-                ledger.claim(grad, "grads", "zero_fp32_partition.grad" + suffix)
+                ledger.claim(grad, "grads", "zero_fp32_partition.grad" + suffix, host)
         extras = straddle_extras(zero, module)
         groups = list(getattr(zero, "params_in_partition", []))
         in_partition = {id(p) for params in groups for p in params}
@@ -461,16 +466,24 @@ class DeepSpeedMemory(MeasuredMemory):
             ledger.claim_all(
                 (g for _, g in unreduced), "grads", f"param.grad (unreduced: {listed})"
             )
-        # 7. Offload staging buffers and other per-optimizer scratch space.
-        for name in (
-            "temp_grad_buffer_for_cpu_offload",
-            "temp_grad_buffer_for_gpu_offload",
-            "param_buffer_of_bit16_for_cpu_offload_groups",
-            "_muon_allgather_buffers",
-            "accumulated_grads_in_cpu",
+        # 7. Offload staging buffers and other per-optimizer scratch space, where DeepSpeed
+        # allocates them (stage_1_and_2.py): the gradient copied to the host (largest
+        # parameter) and the bit16 copy of the partition sent back (Psi/N) on `zero.device`,
+        # the gradient staged on the device before that copy (largest parameter) on the
+        # accelerator. Under accumulation the whole gradients of the rank's partition
+        # parameters accumulate between micro-batches on `zero.device`: gradients.
+        for name, category, placement in (
+            ("temp_grad_buffer_for_cpu_offload", "buffers", host),
+            ("temp_grad_buffer_for_gpu_offload", "buffers", "device"),
+            ("param_buffer_of_bit16_for_cpu_offload_groups", "buffers", host),
+            ("_muon_allgather_buffers", "buffers", "device"),
+            ("accumulated_grads_in_cpu", "grads", host),
         ):
             ledger.claim_all(
-                zero_tensors_in(getattr(zero, name, None)), "buffers", f"zero_{name.strip('_')}"
+                zero_tensors_in(getattr(zero, name, None)),
+                category,
+                f"zero_{name.strip('_')}",
+                placement,
             )
         claim_module_buffers(ledger, module)
         return {"kind": "zero", "stage": 2 if getattr(zero, "partition_gradients", False) else 1}
@@ -560,3 +573,8 @@ class DeepSpeedMemory(MeasuredMemory):
     def offload_in_effect(self, optimizer: Any) -> str | None:
         zero = zero_optimizer(optimizer)
         return "cpu" if getattr(zero, "cpu_offload", False) else None
+
+    def optimizer_in_effect(self, optimizer: Any) -> str | None:
+        """``cpu_adam`` when the ZeRO optimizer steps with DeepSpeed's CPU Adam (offload)."""
+        inner = getattr(zero_optimizer(optimizer), "optimizer", None)
+        return "cpu_adam" if type(inner).__name__ == "DeepSpeedCPUAdam" else None

@@ -106,7 +106,7 @@ def paper_grad_bytes(stage: int, num_params: float, world_size: int, precision: 
 
 
 def buffer_bytes(
-    stage: int, spec: ModelSpec, precision: str, settings: Mapping[str, Any]
+    stage: int, spec: ModelSpec, precision: str, settings: Mapping[str, Any], offload: bool = False
 ) -> dict[str, float]:
     """ZeRO-1/2 (and offload): with ``contiguous_gradients`` the reduce bucket of
     ``reduce_bucket_size`` elements in the module dtype (two with ``overlap_comm``),
@@ -125,8 +125,16 @@ def buffer_bytes(
     running; at DeepSpeed's defaults (1e9 and 5e7 elements) that is every parameter of a
     model under about a billion. Measured equal on MiniLM at 2 ranks (docs/zero3.md);
     for a larger model the sum is a bound (DeepSpeed's own estimator counts only the
-    largest layer, which its defaults exceed)."""
+    largest layer, which its defaults exceed).
+
+    Offload (ZeRO-2) runs with ``contiguous_gradients`` whatever the settings say
+    (DeepSpeed: ``contiguous_gradients or cpu_offload``) and keeps on the device a
+    staging buffer of the largest parameter, in the module dtype, that each reduced
+    gradient is copied into before it goes to host memory
+    (``temp_grad_buffer_for_gpu_offload``, stage_1_and_2.py)."""
     module_bytes = dtype_bytes(precision)
+    if offload:
+        settings = {**settings, "contiguous_gradients": True}
     bucket = settings["reduce_bucket_size"]
     # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
     shards_params = stage >= 3
@@ -157,7 +165,79 @@ def buffer_bytes(
         )
         parts["gathered_params"] = module_bytes * min(sharded, window)
         parts["persistent_small_tensors"] = module_bytes * spec.small_tensor_params
+    largest = _largest_param(spec)
+    if offload and largest:
+        parts["offload_device_staging"] = float(module_bytes * largest)
     return parts
+
+
+def _largest_param(spec: ModelSpec) -> int:
+    """Elements of the model's largest parameter (0 for a bare ``--params`` count)."""
+    return max((n for group in spec.param_groups for n in group), default=0)
+
+
+def offload_device_grads(
+    spec: ModelSpec, world_size: int, precision: str, settings: Mapping[str, Any]
+) -> GradientHighWater | None:
+    """ZeRO-2 offload's gradients on the device. Each gradient is reduced into the
+    contiguous bucket and copied to host memory, so no gradient partition stays on the
+    device; a parameter larger than ``reduce_bucket_size`` bypasses the bucket and keeps
+    its whole gradient in ``param.grad`` until it is reduced and copied at the end of
+    backward (``extra_large_param_to_reduce``, one slot per dtype, stage_1_and_2.py):
+    the largest such parameter, in the module dtype. Every rank computes every
+    gradient, so the figure is each rank's. None for a bare ``--params`` count."""
+    if not spec.param_groups:
+        return None
+    module_bytes = dtype_bytes(precision)
+    bucket = int(settings["reduce_bucket_size"])
+    over_bucket = [n for group in spec.param_groups for n in group if n > bucket]
+    waiting = float(module_bytes * max(over_bucket, default=0))
+    moment = (
+        "end of backward: the whole gradient of the largest parameter over the bucket, "
+        "waiting for its copy to host memory"
+        if over_bucket
+        else "no parameter exceeds the bucket: gradients pass through it to host memory"
+    )
+    return GradientHighWater(
+        rank=0,
+        backward=waiting,
+        step=0.0,
+        moment=moment,
+        partition_bytes=module_bytes * spec.num_params / world_size,
+    )
+
+
+def host_bytes(offload: bool, inputs: PlanInputs, optimizer: str) -> dict[str, float]:
+    """ZeRO-2 offload's host memory per rank, by category, where DeepSpeed allocates
+    it (``self.device = 'cpu'`` under ``cpu_offload``, stage_1_and_2.py): the optimizer
+    state and the fp32 master partition (Psi/N each: 8 and 4 bytes a parameter for
+    Adam), the fp32 gradient partition the CPU step reads (4 Psi/N; under accumulation
+    also ``accumulated_grads_in_cpu``, the whole gradients of the parameters touching
+    the rank's partition in the module dtype, kept across micro-batches), and two
+    buffers: the staging copy of one gradient on its way in
+    (``temp_grad_buffer_for_cpu_offload``, the largest parameter in the module dtype)
+    and the partition's 16-bit copy sent back to the device after the step
+    (``param_buffer_of_bit16_for_cpu_offload_groups``, Psi/N in the module dtype).
+    Nothing without offload."""
+    if not offload:
+        return {}
+    spec, n = inputs.model, float(inputs.world_size)
+    psi = float(spec.num_params)
+    module_bytes = dtype_bytes(inputs.precision)
+    grads = 4.0 * psi / n
+    if inputs.gradient_accumulation_steps > 1 and spec.param_groups:
+        whole = max(
+            sum(partition_group(g, inputs.world_size, rank).whole_numel for g in spec.param_groups)
+            for rank in range(inputs.world_size)
+        )
+        grads += float(module_bytes * whole)
+    buffers = module_bytes * psi / n + float(module_bytes * _largest_param(spec))
+    return {
+        "grads": grads,
+        "optimizer": OPTIMIZER_STATE_BYTES[optimizer] * psi / n,
+        "master": 4.0 * psi / n,
+        "buffers": buffers,
+    }
 
 
 def gradient_layout(
@@ -165,7 +245,10 @@ def gradient_layout(
 ) -> GradientHighWater | None:
     """ZeRO-1/2's gradient holding on its worst rank, from the parameter layout; None
     where the paper's figure stands (offload keeps them off the GPU, ZeRO-3 is for
-    reference, and a bare ``--params`` has no layout)."""
+    reference, and a bare ``--params`` has no layout). Offload: the whole gradients
+    waiting for their copy to host memory (:func:`offload_device_grads`)."""
+    if offload and stage == 2:
+        return offload_device_grads(inputs.model, inputs.world_size, inputs.precision, settings)
     if stage not in (1, 2) or offload or not inputs.model.param_groups:
         return None
     return _worst_rank_gradients(
@@ -532,7 +615,7 @@ class DeepSpeedPlan(PlanArithmetic):
         settings: Mapping[str, Any],
         grads: float,
     ) -> dict[str, float]:
-        return buffer_bytes(strategy.zero_stage, spec, precision, settings)
+        return buffer_bytes(strategy.zero_stage, spec, precision, settings, strategy.offload)
 
     def gradient_layout(
         self, strategy: Strategy, inputs: PlanInputs, settings: Mapping[str, Any]
@@ -561,10 +644,10 @@ class DeepSpeedPlan(PlanArithmetic):
             return zero3_peak_points(view)
         return super().peak_points(strategy, view)  # offload: states as counted
 
-    def host_bytes(self, strategy: Strategy, num_params: float, world_size: int) -> float:
-        # Offload builds the fp32 gradient partition in host memory, beside the
-        # optimizer state it feeds (DeepSpeed's estimator counts it there too).
-        return 4.0 * num_params / world_size if strategy.offload else 0.0
+    def host_bytes(
+        self, strategy: Strategy, inputs: PlanInputs, optimizer: str
+    ) -> dict[str, float]:
+        return host_bytes(strategy.offload, inputs, optimizer)
 
     def settings_from_run(self, recorded: Mapping[str, Any]) -> dict[str, Any]:
         return {k.removeprefix("zero."): v for k, v in recorded.items() if k.startswith("zero.")}

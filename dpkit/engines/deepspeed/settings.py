@@ -71,7 +71,8 @@ REASONS: dict[str, str] = {
         "when the largest parameter exceeds the bucket and a quarter of the partition "
         "(MiniLM's word embedding at 4 ranks, measured worst-rank gradient high-water: ZeRO-2 "
         "110.5 -> 87.4 MiB, ZeRO-1 152.4 -> 87.4 MiB); otherwise on, against allocator "
-        "fragmentation on CUDA"
+        "fragmentation on CUDA; always on under optimizer offload, where DeepSpeed forces it "
+        "(stage_1_and_2.py: contiguous_gradients or cpu_offload)"
     ),
     "round_robin_gradients": (
         "memory-neutral (measured identical breakdowns); it reorders reduction for CPU offload"
@@ -121,6 +122,7 @@ def zero_memory_settings(
     stage: int,
     largest_param_numel: int | None = None,
     on_cuda: bool = False,
+    offload: bool = False,
 ) -> dict[str, Any]:
     """``zero_optimization`` keys for ZeRO stage 1/2 that keep its buffers small.
 
@@ -133,6 +135,9 @@ def zero_memory_settings(
         largest_param_numel: elements of the largest parameter (decides
             contiguous_gradients); None keeps DeepSpeed's default (on).
         on_cuda: whether ranks run on CUDA devices (decides overlap_comm).
+        offload: the optimizer is offloaded: DeepSpeed then runs with contiguous_gradients
+            whatever the config says (``contiguous_gradients or cpu_offload``), so it is
+            written on.
     """
     if num_params <= 0 or world_size <= 0:
         raise ValueError(
@@ -155,7 +160,7 @@ def zero_memory_settings(
         # ZeRO-1 reduces after backward; overlapping moves it into backward (more memory).
         # Without contiguous gradients it keeps reduced gradients a bucket longer.
         "overlap_comm": bool(on_cuda and stage == 2 and not large_late_param),
-        "contiguous_gradients": not large_late_param,
+        "contiguous_gradients": offload or not large_late_param,
         "round_robin_gradients": False,
         "reduce_scatter": True,
     }

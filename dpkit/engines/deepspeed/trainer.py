@@ -74,7 +74,7 @@ def trainer_config(
             "integration runs ZeRO stages 1 and 2 (ZeRO-3 runs in dpkit's recipes and "
             "run.prepare)"
         )
-    optimizer_offload(resolved, where)
+    offload = optimizer_offload(resolved, where)
     settings = zero_memory_settings(
         sizes.num_params,
         sizes.hidden_size,
@@ -82,6 +82,7 @@ def trainer_config(
         stage=stage,
         largest_param_numel=sizes.largest_param_numel,
         on_cuda=on_cuda,
+        offload=offload is not None,
     )
     fill_zero_settings(resolved["zero_optimization"], settings)
     leftover = [

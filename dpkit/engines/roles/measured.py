@@ -63,6 +63,12 @@ class MeasuredMemory:
         """Where the live optimizer keeps its state off the device (``cpu``), or None."""
         return None
 
+    def optimizer_in_effect(self, optimizer: Any) -> str | None:
+        """The optimizer the live run steps with, as the plan names it
+        (:data:`dpkit.core.units.OPTIMIZER_STATE_BYTES`), where the backend chose it (a
+        CPU optimizer under offload); None: the one the caller built."""
+        return None
+
     def report_param_shapes(self) -> bool:
         """Whether the memory report records every parameter's shape: the plan needs them
         where the backend pads per parameter (FSDP2)."""

@@ -95,9 +95,13 @@ class PlanArithmetic:
         themselves to 16 bits."""
         return False
 
-    def host_bytes(self, strategy: Strategy, num_params: float, world_size: int) -> float:
-        """Host bytes per GPU beyond the offloaded model states (offload's fp32 gradients)."""
-        return 0.0
+    def host_bytes(
+        self, strategy: Strategy, inputs: PlanInputs, optimizer: str
+    ) -> dict[str, float]:
+        """Host bytes per GPU under offload, by category (``grads``, ``optimizer``,
+        ``master``, ``buffers``); empty where the backend keeps everything on the device.
+        ``optimizer``: the one the plan counts (:meth:`optimizer_for_plan`)."""
+        return {}
 
     def optimizer_for_plan(self, strategy: Strategy, optimizer: str) -> str | None:
         """The optimizer whose state the plan counts under ``strategy``, or None where it

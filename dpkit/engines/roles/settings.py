@@ -85,6 +85,13 @@ class Settings:
         JSON's ``optimizer`` section): the run then hands accelerate a placeholder."""
         return False
 
+    def build_optimizer(
+        self, settings: EngineSettings, params: Any, lr: float, weight_decay: float
+    ) -> Any | None:
+        """The optimizer this backend must step (DeepSpeed offload: its CPU Adam), or None
+        for the run's torch AdamW."""
+        return None
+
     def scheduler_in_config(self, settings: EngineSettings) -> bool:
         """Whether the backend's configuration builds the lr scheduler itself."""
         return False
