@@ -3,7 +3,7 @@ classification recipe: losses as ZeRO-2's, host and device memory planned = meas
 sharded checkpoint resumed by ZeRO-2, and the optimizer trap it avoids.
 
 One offload run (2 processes, ``torchrun --strategy zero2_offload``, the flags of
-tests/checkpoint_runs.py's ``zero2_no_dropout``: 6 steps, 128 samples, sequence length 32,
+tests/checkpoint_runs.py's ``zero2``: 6 steps, 128 samples, sequence length 32,
 micro-batch 16, dropout 0, checkpoints at 3 and 6) is checked many ways, beside that
 ZeRO-2 reference run (shared with tests/test_zero3.py and tests/test_checkpoint.py). One
 more launch resumes its step-3 checkpoint under ZeRO-2. The optimizer's negative control
@@ -45,7 +45,7 @@ def test_offload_runs_as_offload_and_trains_as_zero2(reference, offload):
     assert (info["strategy"], info["zero_stage"], info["world_size"]) == ("zero2_offload", 2, 2)
     assert info["offload_optimizer"] == "cpu"
     assert "strategy=zero2_offload" in offload.output
-    zero2 = reference("zero2_no_dropout")
+    zero2 = reference("zero2")
     assert (zero2.run_info["strategy"], zero2.run_info["world_size"]) == ("zero2", 2)
     assert len(offload.losses) == len(zero2.losses) == 6
     assert max_rel_diff(offload.losses, zero2.losses) <= RTOL, (offload.losses, zero2.losses)
