@@ -61,6 +61,9 @@ class Ledger:
         # (tensor, category) of every storage counted, when asked (the live-bytes tracker
         # follows them from there: dpkit.memory.live).
         self._tensors: list[tuple[torch.Tensor, str]] | None = [] if keep_tensors else None
+        self.unreached: list[tuple[str, float]] = []
+        """(category, bytes) held where no tensor is reachable from Python (DDP's reducer
+        buckets): counted by size, followed by the live-bytes tracker as a pool."""
 
     def owners(self) -> dict[tuple[str, int, int], str]:
         """The category each storage counted was claimed under, by :func:`storage_key`."""
@@ -88,6 +91,12 @@ class Ledger:
         bucket = self.holders[category]
         bucket[holder] = bucket.get(holder, 0.0) + float(tensor.untyped_storage().nbytes())
         return True
+
+    def count_unreachable(self, category: str, holder: str, nbytes: float) -> None:
+        """Count ``nbytes`` that are held (a C++ object's tensors, known by their sizes)
+        but that no walk can reach as tensors."""
+        self.holders[category][holder] = self.holders[category].get(holder, 0.0) + nbytes
+        self.unreached.append((category, float(nbytes)))
 
     def claim_all(self, tensors: Iterable[Any], category: str, holder: str) -> None:
         for tensor in tensors:

@@ -96,6 +96,10 @@ class LiveTensors(TorchDispatchMode):
         self._dirty = False
         self._original_resize: Any = None
         self._fake_mode: Any = None
+        self._unreached: dict[str, float] = {}
+        """Bytes held from the step's start that no walk reached as tensors, by category
+        (DDP's reducer buckets): in the total until their storage shows up."""
+        self._peak_unreached: dict[str, float] = {}
 
     # ---- storages -------------------------------------------------------------------
 
@@ -128,6 +132,28 @@ class LiveTensors(TorchDispatchMode):
         self._refs[ident] = weakref.ref(storage, lambda _, ident=ident: self._freed(ident))
         self.total += record.nbytes
         return True
+
+    def hold_unreached(self, nbytes: float, category: str) -> None:
+        """Count ``nbytes`` held where no walk reaches a tensor (the ledger's
+        :attr:`~dpkit.core.walk.Ledger.unreached`): alive from now on. The storage behind them
+        shows up later as an operator's ``out=`` or in-place argument (DDP's reducer
+        writing its first gradient into a bucket) and is then taken out of this pool
+        rather than counted a second time."""
+        self._unreached[category] = self._unreached.get(category, 0.0) + nbytes
+        self.total += int(nbytes)
+
+    def _take_unreached(self, tensor: torch.Tensor) -> bool:
+        """``tensor``, an operator's output written in place, is a storage from before the
+        step: follow it, its bytes taken from the unreached pool. True if the total grew
+        (the storage was larger than what was left in the pool)."""
+        category = next(iter(c for c, left in self._unreached.items() if left > 0), None)
+        before = self.total
+        if category is None or not self.add(tensor, category):
+            return False
+        taken = min(float(self.total - before), self._unreached[category])
+        self._unreached[category] -= taken
+        self.total -= int(taken)
+        return self.total > before
 
     def _freed(self, ident: int) -> None:
         record = self._live.get(ident)
@@ -170,6 +196,7 @@ class LiveTensors(TorchDispatchMode):
             self.at_peak = {"op": op, **self.where()}
             self._peak_walks = self.walks
             self._peak_ops = self.ops
+            self._peak_unreached = dict(self._unreached)
             # The live set is copied lazily, at the next free: until then every change
             # is an allocation, which makes a new high-water.
             self._dirty = True
@@ -187,11 +214,28 @@ class LiveTensors(TorchDispatchMode):
             return out  # DTensor's sharding propagation runs on fake tensors: no memory
         self.ops += 1
         grew = False
+        written = self._written_inputs(args, kwargs) if self._pool_left() else set()
         for tensor in _tensors(out):
-            grew |= self.add(tensor)
+            if written and _storage_id(tensor) in written:
+                grew |= self._take_unreached(tensor)
+            else:
+                grew |= self.add(tensor)
         if grew:
             self._maybe_peak(str(func))
         return out
+
+    def _pool_left(self) -> bool:
+        return any(left > 0 for left in self._unreached.values())
+
+    def _written_inputs(self, args: Any, kwargs: Any) -> set[int]:
+        """The storages of the operator's tensor arguments not followed yet: an output on
+        one of them was written in place (``out=``, ``copy_``), not allocated."""
+        found = set()
+        for tensor in _tensors(list(args) + list((kwargs or {}).values())):
+            ident = _storage_id(tensor) if tensor.device.type == self.device_type else None
+            if ident is not None and ident not in self._live:
+                found.add(ident)
+        return found
 
     def __enter__(self) -> LiveTensors:
         self._fake_mode = active_fake_mode()  # None in eager
@@ -236,6 +280,8 @@ class LiveTensors(TorchDispatchMode):
         split = dict.fromkeys(LIVE_CATEGORIES, 0.0)
         for record, nbytes in self._peak_live:
             split[self._category(record)] += nbytes
+        for category, nbytes in self._peak_unreached.items():
+            split[category] += nbytes
         return split
 
     def _category(self, record: _Storage) -> str:
@@ -257,6 +303,17 @@ class LiveTensors(TorchDispatchMode):
         self._refs.clear()
         self._live.clear()
         self._by_key.clear()
+
+
+def _storage_id(tensor: torch.Tensor) -> int | None:
+    """The identity of ``tensor``'s storage object (torch keeps one Python object per
+    live storage), None for a tensor without a plain storage."""
+    if storage_key(tensor) is None:
+        return None
+    try:
+        return id(local_shard(tensor).untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _batch_shape(inputs: list[Any]) -> dict[str, int] | None:
@@ -350,6 +407,8 @@ class PeakLive:
         walk(self.engine, self.model, self.optimizer, ledger=ledger)
         for tensor, category in ledger.tensors():
             live.add(tensor, category)
+        for category, nbytes in ledger.unreached:
+            live.hold_unreached(nbytes, category)
         for tensor in _tensors(list(args) + list(kwargs.values())):
             live.add(tensor)  # the batch: temporary
         self._batch = _batch_shape(list(args) + list(kwargs.values()))

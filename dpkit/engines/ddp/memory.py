@@ -76,9 +76,11 @@ class DDPMemory(MeasuredMemory):
             # the buckets (counted above); zero_grad(set_to_none) drops the views but the
             # reducer keeps the buckets, so the gradient memory is still held, by them.
             if buckets and not bucket_view:
-                ledger.holders["buffers"]["ddp_buckets"] = buckets
+                ledger.count_unreachable("buffers", "ddp_buckets", buckets)
             elif buckets and not grads_seen:
-                ledger.holders["grads"]["ddp_buckets (grad views released, buckets kept)"] = buckets
+                ledger.count_unreachable(
+                    "grads", "ddp_buckets (grad views released, buckets kept)", buckets
+                )
         claim_module_buffers(ledger, module)
         return info
 
