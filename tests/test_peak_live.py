@@ -234,13 +234,14 @@ def test_bytes_no_walk_reaches_count_from_the_start_and_once_when_they_show_up()
     them before the first backward (.grad is still None): they are held from the step's
     start, and their storage shows up only as the out= argument of the reducer's first
     write. Counted once: from the start, not again at that write."""
+    from dpkit.core.walk import Unreached
     from dpkit.memory.live import LiveTensors
 
     bucket = torch.zeros(1000)  # 4,000 bytes made before the step, unknown to the tracker
     gradient = torch.ones(1000)
     other, ones = torch.zeros(10), torch.ones(10)  # made before the step too
     live = LiveTensors(torch.device("cpu"))
-    live.hold_unreached(1000 * FP32, "grads")
+    live.hold_unreached(Unreached("grads", 1000 * FP32))
     with live:
         assert live.total == 4000
         torch.mul(gradient, 0.5, out=bucket)  # the first write: no new bytes
@@ -255,6 +256,27 @@ def test_bytes_no_walk_reaches_count_from_the_start_and_once_when_they_show_up()
     split = live.breakdown()
     assert split["grads"] == 4000, split  # the bucket, by the pool's category
     assert live.peak == 8040
+
+
+def test_unreached_bytes_their_holder_lets_go_leave_the_count():
+    """DDP rebuilds its buckets in the second step's forward: the old ones, counted by size
+    from the step's start, are freed by C++ code the tracker does not see; the holder's
+    word (``still_held``) takes them out, and the new buckets count as they are made."""
+    from dpkit.core.walk import Unreached
+    from dpkit.memory.live import LiveTensors
+
+    rebuilt = []
+    live = LiveTensors(torch.device("cpu"))
+    live.hold_unreached(Unreached("grads", 4000.0, still_held=lambda: not rebuilt))
+    with live:
+        live.drop_released()
+        assert live.total == 4000  # still held
+        rebuilt.append(True)
+        live.drop_released()
+        new_bucket = torch.zeros(1000)  # the rebuilt bucket, made in the window
+        assert live.total == 4000, "the old buckets counted beside the new ones"
+        del new_bucket
+    assert live.peak == 4000
 
 
 def test_a_two_process_run_reports_each_ranks_live_high_water(tmp_path):

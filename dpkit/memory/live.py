@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dpkit.core.categories import CATEGORIES
 from dpkit.core.walk import (
     Ledger,
+    Unreached,
     inner_torch_optimizer,
     local_shard,
     storage_key,
@@ -96,9 +97,9 @@ class LiveTensors(TorchDispatchMode):
         self._dirty = False
         self._original_resize: Any = None
         self._fake_mode: Any = None
-        self._unreached: dict[str, float] = {}
-        """Bytes held from the step's start that no walk reached as tensors, by category
-        (DDP's reducer buckets): in the total until their storage shows up."""
+        self._unreached: list[Unreached] = []
+        """Bytes held from the step's start that no walk reached as tensors (DDP's reducer
+        buckets): in the total until their storage shows up or their holder lets them go."""
         self._peak_unreached: dict[str, float] = {}
 
     # ---- storages -------------------------------------------------------------------
@@ -133,25 +134,35 @@ class LiveTensors(TorchDispatchMode):
         self.total += record.nbytes
         return True
 
-    def hold_unreached(self, nbytes: float, category: str) -> None:
-        """Count ``nbytes`` held where no walk reaches a tensor (the ledger's
-        :attr:`~dpkit.core.walk.Ledger.unreached`): alive from now on. The storage behind them
-        shows up later as an operator's ``out=`` or in-place argument (DDP's reducer
-        writing its first gradient into a bucket) and is then taken out of this pool
-        rather than counted a second time."""
-        self._unreached[category] = self._unreached.get(category, 0.0) + nbytes
-        self.total += int(nbytes)
+    def hold_unreached(self, held: Unreached) -> None:
+        """Count bytes held where no walk reaches a tensor (the ledger's
+        :attr:`~dpkit.core.walk.Ledger.unreached`): alive from now on. The storage behind
+        them shows up later as an operator's ``out=`` or in-place argument (DDP's reducer
+        writing its first gradient into a bucket) and is then taken from them rather than
+        counted a second time; if their holder frees them first (DDP rebuilding its
+        buckets in the second step's forward), :meth:`drop_released` takes them out."""
+        self._unreached.append(held)
+        self.total += int(held.nbytes)
+
+    def drop_released(self) -> None:
+        """Take out the unreached bytes their holder has let go (checked at each module)."""
+        for held in self._unreached:
+            if held.nbytes > 0 and held.still_held is not None and not held.still_held():
+                if self._dirty:
+                    self._keep_peak()
+                self.total -= int(held.nbytes)
+                held.nbytes = 0.0
 
     def _take_unreached(self, tensor: torch.Tensor) -> bool:
         """``tensor``, an operator's output written in place, is a storage from before the
-        step: follow it, its bytes taken from the unreached pool. True if the total grew
-        (the storage was larger than what was left in the pool)."""
-        category = next(iter(c for c, left in self._unreached.items() if left > 0), None)
+        step: follow it, its bytes taken from the unreached bytes. True if the total grew
+        (the storage was larger than what was left unreached)."""
+        held = next((h for h in self._unreached if h.nbytes > 0), None)
         before = self.total
-        if category is None or not self.add(tensor, category):
+        if held is None or not self.add(tensor, held.category):
             return False
-        taken = min(float(self.total - before), self._unreached[category])
-        self._unreached[category] -= taken
+        taken = min(float(self.total - before), held.nbytes)
+        held.nbytes -= taken
         self.total -= int(taken)
         return self.total > before
 
@@ -196,7 +207,10 @@ class LiveTensors(TorchDispatchMode):
             self.at_peak = {"op": op, **self.where()}
             self._peak_walks = self.walks
             self._peak_ops = self.ops
-            self._peak_unreached = dict(self._unreached)
+            self._peak_unreached = {}
+            for held in self._unreached:
+                split = self._peak_unreached
+                split[held.category] = split.get(held.category, 0.0) + held.nbytes
             # The live set is copied lazily, at the next free: until then every change
             # is an allocation, which makes a new high-water.
             self._dirty = True
@@ -225,7 +239,7 @@ class LiveTensors(TorchDispatchMode):
         return out
 
     def _pool_left(self) -> bool:
-        return any(left > 0 for left in self._unreached.values())
+        return any(held.nbytes > 0 for held in self._unreached)
 
     def _written_inputs(self, args: Any, kwargs: Any) -> set[int]:
         """The storages of the operator's tensor arguments not followed yet: an output on
@@ -334,11 +348,11 @@ class PeakLive:
     forward and closes it at :meth:`close` (:meth:`MemoryTracker.step_done
     <dpkit.memory.tracker.MemoryTracker.step_done>`), naming where the step is.
 
-    The step is the first: the step probes walk it (their walks name each storage; this
-    adds one walk, at the step's start), and the cost lands on a step that already pays
-    for probes. What later steps hold is there too: Adam's moments, made lazily in the first
-    update, are made before the update's temporaries and counted at the high-water as in
-    any later step.
+    The step is the last one the step probes walk (their walks name each storage; this
+    adds one walk, at the step's start), so the cost lands on a step that already pays for
+    probes: the first by default. In the first, Adam's moments are made lazily inside the
+    update, so its forward and backward run without them; a later step (``dpkit tune``
+    probes two) holds them from its start, the run's peak.
 
     Points (:data:`PHASES`): ``forward`` (with the innermost module running), ``loss``
     (the outermost forward after its last submodule returned, and anything between the
@@ -367,8 +381,12 @@ class PeakLive:
         self._modules: list[str] = []
         self._top: torch.nn.Module = unwrap_module(model)
         self._children_returned = 0
+        # Opened at the user's module, inside a wrapper's own pre-forward work: DDP
+        # rebuilds its buckets there in its second iteration, freeing the old ones in C++
+        # (unseen) before making the new ones; opened after it, the walk sees the buckets
+        # that stay.
         self._handles: list[Any] = [
-            model.register_forward_pre_hook(self._open, with_kwargs=True),
+            self._top.register_forward_pre_hook(self._open, with_kwargs=True),
         ]
         self._window_handles: list[Any] = []
         self._started = 0.0
@@ -407,8 +425,8 @@ class PeakLive:
         walk(self.engine, self.model, self.optimizer, ledger=ledger)
         for tensor, category in ledger.tensors():
             live.add(tensor, category)
-        for category, nbytes in ledger.unreached:
-            live.hold_unreached(nbytes, category)
+        for held in ledger.unreached:
+            live.hold_unreached(held)
         for tensor in _tensors(list(args) + list(kwargs.values())):
             live.add(tensor)  # the batch: temporary
         self._batch = _batch_shape(list(args) + list(kwargs.values()))
@@ -508,6 +526,7 @@ class PeakLive:
     def _enter_module(self, name: str) -> None:
         if self.live is None or self.result is not None:
             return
+        self.live.drop_released()
         if name == "" and self.phase != "forward":
             self._set("forward")
             self._children_returned = 0
