@@ -81,7 +81,7 @@ def test_resumed_run_equals_the_uninterrupted_one(reference, tmp_path, name):
 @pytest.mark.parametrize(
     "source, strategy, nproc, args",
     [
-        ("zero2_no_dropout", "zero2", 1, ["--micro-batch-size", "16"] + ["--gradient-accumulation-steps", "2"]),
+        ("zero2", "zero2", 1, ["--micro-batch-size", "16"] + ["--gradient-accumulation-steps", "2"]),
         ("ddp", "zero2", 2, ["--micro-batch-size", "16"]),
     ],
     ids=["zero2-2to1", "ddp-to-zero2"],
@@ -90,7 +90,7 @@ def test_resume_across_world_sizes_and_strategies(
     reference, tmp_path, source, strategy, nproc, args
 ):
     ref = reference(source)
-    extra = NO_DROPOUT if "no_dropout" in source else []
+    extra = NO_DROPOUT if "--dropout" in REFERENCES[source][2] else []  # as the source ran
     resumed = launch_ck(
         strategy, nproc, tmp_path, *args, *extra, *LOGS_ONLY, "--resume", str(step3(ref))
     )
@@ -124,7 +124,7 @@ def zero2_resumed_on_4(reference, module_tmp):
     loaded. Checked in the 2 -> 4 case below and read back on 2 in the 4 -> 2 case."""
     resumed = launch_ck(
         "zero2", 4, module_tmp / "zero2-on-4", "--micro-batch-size", "8", "--max-steps", "3",
-        "--no-save-model", "--resume", str(step3(reference("zero2_no_dropout"))),
+        "--no-save-model", "--resume", str(step3(reference("zero2"))),
     )  # fmt: skip
     assert "trained 0 steps in" in resumed.output  # the save holds what was loaded
     return resumed
@@ -133,9 +133,9 @@ def zero2_resumed_on_4(reference, module_tmp):
 @pytest.mark.parametrize(
     "source, strategy, nproc, args",
     [
-        ("zero2_no_dropout", "zero2", 4, None),
+        ("zero2", "zero2", 4, None),
         # From the 4-process checkpoint above: ZeRO-2 on 4 -> DDP on 2.
-        ("zero2_no_dropout", "ddp", 2, ["--micro-batch-size", "16"]),
+        ("zero2", "ddp", 2, ["--micro-batch-size", "16"]),
         ("fsdp2_shard_grad_op", "zero2", 2, ["--micro-batch-size", "16"]),
         # Read from shards, written gathered (--checkpoint-format full): both layouts agree.
         ("ddp", "fsdp2_full_shard", 2, ["--micro-batch-size", "16", "--checkpoint-format", "full"]),
@@ -295,6 +295,7 @@ def test_interrupted_save_leaves_the_previous_checkpoint_in_use(reference, tmp_p
             *CK_RUN,
             "--micro-batch-size",
             "16",
+            *NO_DROPOUT,  # the reference's
             "--resume",
             "latest",
             "--output-dir",

@@ -42,7 +42,7 @@ def test_zero3_runs_as_zero3_and_trains_as_zero2(reference, zero3):
     # The whole model is counted, not ZeRO-3's empty placeholders: MiniLM's 22,713,986
     # parameters with the 2-label head (docs/memory.md's figure for the same model).
     assert info["num_params"] == 22_713_986
-    zero2 = reference("zero2_no_dropout")
+    zero2 = reference("zero2")
     zero2_info = json.loads((zero2.output_dir / "run_info.json").read_text())
     assert (zero2_info["strategy"], zero2_info["world_size"]) == ("zero2", 2)  # both 2-process
     assert len(zero3.losses) == len(zero2.losses) == 6
@@ -96,7 +96,7 @@ def test_zero2_state_resumed_and_saved_by_zero3_is_the_same_state(reference, tmp
     train): the final save, written from ZeRO-3's partitions, holds every Adam moment of
     the source bit for bit (a load or a save that put any slice in the wrong place fails;
     tests/test_checkpoint.py shows the comparison catches a swap and zeroes)."""
-    source = step3(reference("zero2_no_dropout"))
+    source = step3(reference("zero2"))
     resumed = launch_ck(
         "zero3", 2, tmp_path, "--micro-batch-size", "16", *NO_DROPOUT, "--max-steps", "3",
         "--no-save-model", "--resume", str(source),

@@ -45,6 +45,10 @@ class StepTrace:
     block_backward_end: tuple[float, ...] = ()
     """When each block's backward has ended (the next block back starts, or the backward
     ends), the stored gradients left out: the activations still held then."""
+    forward_blocks_high: float | None = None
+    """The forward's high-water up to the return of its last repeated block (None: a model
+    without repeated blocks): what runs while ZeRO-3's prefetched flat all-gather buffer
+    is still alive (its last parameters are the blocks' and what precedes the head)."""
     batch: float = 0.0
     """The batch's own bytes (token ids, attention mask, labels), alive the whole step."""
     micro_batch: int = 0

@@ -153,6 +153,7 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
     blocks = repeated_blocks(model)
     block_forward = [0.0] * len(blocks)
     block_backward_start: list[float | None] = [None] * len(blocks)
+    blocks_high: list[float] = []  # the forward's high-water when the last block returns
     handles = []
 
     def enter(module: Any, args: Any) -> None:
@@ -183,6 +184,8 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
         def hook(module: Any, args: Any, output: Any) -> None:
             if follow.phase != "forward":
                 return  # a checkpointed block's recomputation
+            if index == len(blocks) - 1:
+                blocks_high.append(float(follow.forward_high))
             outs = [t for t in _tensors(output) if t.requires_grad]
             if outs:
                 outs[0].register_hook(started)
@@ -227,6 +230,7 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
         grads_stored=grads_stored,
         block_forward=tuple(block_forward),
         block_backward_end=backward_end,
+        forward_blocks_high=blocks_high[-1] if blocks_high else None,
         batch=batch_bytes,
         micro_batch=micro_batch,
         seq_len=seq_len,

@@ -316,6 +316,123 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
     ]
 
 
+def zero3_peak_points(view: PeakView) -> list[PeakPoint]:
+    """Where a ZeRO-3 step may peak (``stage3.py``, ``partitioned_param_coordinator.py``,
+    ``partition_parameters.py``, DeepSpeed 0.19). All step each rank holds its parameter
+    slices, its fp32 master partition, the flat gradient partition every reduced slice is
+    copied into (``grad_partitions_flat_buffer``, the module dtype: DeepSpeed's gradient
+    accumulation dtype by default) and the small parameters it keeps whole.
+
+    From the second step (the first records the module order: see below) the forward's
+    first fetch finds the trace complete and prefetches up to ``stage3_prefetch_bucket_size``
+    elements in one coalesced all-gather: a flat buffer of every prefetched slice from every
+    rank (``torch.empty(partition_sz * world_size)``). The first wait copies each parameter
+    out of it whole (``torch.cat`` of its slices), so from then on the gathered parameters
+    and the flat buffer are both alive; the buffer dies when the last parameter it holds is
+    popped from the in-flight registry, that is when the last module owning one runs
+    (inside the last repeated block, or just after it: a pooler). The parameters then stay
+    gathered into the backward (``stage3_max_reuse_distance``, docs/zero3.md) and are
+    released module by module as it ends. Without ``contiguous_gradients`` (dpkit's
+    setting) each whole gradient autograd stores waits for its ``reduce_bucket_size``
+    bucket; the bucket is reduce-scattered (``reduce_scatter_coalesced``: a flat,
+    padded ``torch.cat`` of the bucket, on gloo a whole copy of it) and each slice copied
+    into the flat partition. The step casts the flat partition to an fp32 copy for the
+    masters' ``.grad`` (counted in ``view.grads``) beside AdamW's moments.
+
+    The first step fetches each module's parameters when it runs and releases them after
+    (no trace, no prefetch, no reuse): at most the largest layer gathered, with the flat
+    buffer it was copied from. Not measured (``peak_live`` watches step 2)."""
+    from dpkit.core.step import PeakPoint
+
+    trace = view.trace
+    module_bytes = dtype_bytes(view.precision)
+    settings = view.settings
+    parts = view.buffer_parts
+    # view.grads is the flat partition plus its fp32 copy at the step (the master's size).
+    grad_partition = max(view.grads - view.master, 0.0)
+    held = {
+        "params": view.params,
+        "master": view.master,
+        "grad_partition": grad_partition,
+        "persistent_small_tensors": parts.get("persistent_small_tensors", 0.0),
+        "batch": trace.batch,
+    }
+    before = {"optimizer": view.optimizer_before_update} if view.optimizer_before_update else {}
+    spec = view.spec
+    sharded = float(spec.num_params - spec.small_tensor_params)
+    if view.first_step:
+        gathered = module_bytes * float(spec.largest_layer_params)
+        flat_gather = gathered
+    else:
+        gathered = float(parts.get("gathered_params", 0.0))
+        # One coalesced all-gather of up to the prefetch bucket (the loop may pass it by a
+        # parameter); each slice's padding to a world-size multiple (< N elements) is left out.
+        prefetched = min(
+            sharded,
+            float(settings.get("stage3_prefetch_bucket_size", 50_000_000))
+            + spec.largest_layer_params,
+        )
+        flat_gather = module_bytes * prefetched
+    # The prefetched buffer is alive while the blocks run; the head's own code (an LM's
+    # logits and loss) runs after it is freed.
+    blocks_high = trace.forward_blocks_high
+    in_blocks = trace.forward_high if blocks_high is None else blocks_high
+    bucket_bytes = float(settings.get("reduce_bucket_size", 0)) * module_bytes
+    if settings.get("contiguous_gradients", False):
+        # Each gradient is copied into the ipg buffer as it arrives, and freed.
+        waiting = {"reduce_bucket": float(parts.get("reduce_bucket", 0.0))}
+    else:
+        waiting = {"grads_in_bucket": min(bucket_bytes, trace.grads_at_backward_high)}
+    bucket_grads = min(bucket_bytes, trace.grads_stored) if bucket_bytes else trace.grads_stored
+    # The reduce-scatter's flat input, and gloo's whole copy of it (NCCL works in place).
+    reduce_copies = 1 if view.on_gpu else 2
+    points = [
+        PeakPoint(
+            "forward",
+            {
+                **held,
+                **before,
+                "gathered_params": gathered,
+                "allgather_flat_buffer": flat_gather,
+                "activations": in_blocks,
+            },
+        ),
+        PeakPoint(
+            trace.forward_point,
+            {**held, **before, "gathered_params": gathered, "activations": trace.forward_high},
+        ),
+        PeakPoint(
+            "backward",
+            {
+                **held,
+                **before,
+                "gathered_params": gathered,
+                "activations": trace.backward_high,
+                **waiting,
+            },
+        ),
+        PeakPoint(
+            "gradient reduction",
+            {
+                **held,
+                **before,
+                "grads_in_bucket": bucket_grads,
+                "reduce_scatter_input": reduce_copies * bucket_grads,
+            },
+        ),
+        PeakPoint(
+            "optimizer step",
+            {
+                **{k: v for k, v in held.items() if k != "grad_partition"},
+                "grads": view.grads,
+                "optimizer": view.optimizer,
+                **view.optimizer_temporaries,
+            },
+        ),
+    ]
+    return points
+
+
 def _accumulated_gradients(stage: int, view: PeakView) -> float:
     """Gradient bytes the worst rank keeps between micro-batches of one step."""
     module_bytes = dtype_bytes(view.precision)
@@ -440,7 +557,9 @@ class DeepSpeedPlan(PlanArithmetic):
     def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
         if strategy.zero_stage in (1, 2) and not strategy.offload:
             return peak_points(strategy.zero_stage, view)
-        return super().peak_points(strategy, view)  # ZeRO-3 and offload: states as counted
+        if strategy.zero_stage == 3 and not strategy.offload:
+            return zero3_peak_points(view)
+        return super().peak_points(strategy, view)  # offload: states as counted
 
     def host_bytes(self, strategy: Strategy, num_params: float, world_size: int) -> float:
         # Offload builds the fp32 gradient partition in host memory, beside the
