@@ -284,10 +284,9 @@ def test_the_plan_follows_zero2s_accumulation(tune_run):
 
 # The tune's prediction (dpkit plan's peak of a later step) against each trial's measured
 # peak_live of step 2: within the margin the tune prunes by (10%, dpkit/tune/run.py), so
-# no candidate that fits is pruned. Measured by hand on this LM at micro-batch 2 (train_lm.py
-# --size small --synthetic --seq_len 32 --memory_probe_steps 2, dpkit plan --against):
-# DDP +0.0%, ZeRO-2 -2.2%, FSDP2 shard-grad-op +6.0% (the root's whole gradients are
-# predicted alive at the backward's high-water; docs/peak.md).
+# no candidate that fits is pruned. Measured in this fixture's tune (docs/tune.md), mb 2x1
+# / 1x2: DDP +0.0% / +3.4%, ZeRO-1 0.0% / 0.0%, ZeRO-2 -2.2% / -7.8%, FSDP2 shard-grad-op
+# +6.0% / +6.9% (docs/peak.md says what each misses).
 TUNE_PREDICTION_PCT = 10.0
 
 
