@@ -48,7 +48,8 @@ class LMTrainOptions:
     memory_probe_steps: int = field(
         default=1,
         metadata={
-            "help": "Walk the tensors during the first N steps only (-1: every step, 0: never)."
+            "help": "Walk the tensors during the first N steps only (-1: every step, 0: never); "
+            "the live-tensor peak is watched in step N (-1: the first)."
         },
     )
     """The memory probes (:class:`dpkit.memory.MemoryTracker`) run during the first N optimizer steps and are

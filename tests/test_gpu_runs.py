@@ -15,7 +15,8 @@ Asserted, from each run's own files: run_info.json says nccl, a cuda device, the
 strategy, bf16, world size 1; the finetune runs' memory_report.json has
 ``max_allocated`` as every rank's headline peak, the tensors counted at one moment fit
 under it, params/optimizer/master within 1% of the prediction and grads within 2% of
-``dpkit plan --against`` (in process); the LM runs' tokens/s are positive and their MFU
+``dpkit plan --against`` (in process), the step's peak predicted within 5% of ``peak_live``
+and under ``max_memory_allocated``; the LM runs' tokens/s are positive and their MFU
 (torchtitan's FLOPs per token against the device's bf16 peak) in (0, 1], skipped on a
 device missing from the peak table. A failing test's message has one line per figure
 off its bound: the figure, its value, the bound.
@@ -202,6 +203,41 @@ def test_finetune_grads_within_2pct_of_dpkit_plan_against(finetune, record_tests
     )
     failures = gpu_check.grads_failures(finetune.name, report, plan, GRADS_PLAN_TOLERANCE_PCT)
     assert not failures, failure_lines(failures)
+
+
+# dpkit plan's peak target (issue: the whole peak, predicted and measured; docs/peak.md).
+PEAK_TOLERANCE_PCT = 5.0
+
+
+def test_finetune_peak_is_predicted_within_5pct_and_sits_under_max_allocated(
+    finetune, record_testsuite_property
+):
+    """The plan's step peak for the batch the run measured (``dpkit plan --against``)
+    against the run's ``peak_live`` (live tensor storages, each rounded to the caching
+    allocator's 512-byte blocks), and both against ``torch.cuda.max_memory_allocated``
+    over the run, which adds what is no tensor a kernel dispatch makes (cuBLAS's
+    workspace) and every later step: recorded, and never below the tensor high-water."""
+    from dpkit.plan.check import check_run
+
+    check = check_run(finetune.run_dir)
+    assert check.peak is not None and check.peak_measured is not None, check.not_predicted
+    predicted, measured = check.predicted["peak"], check.measured["peak"]
+    allocated = check.peak_measured["max_memory_allocated"]
+    for key, value in (
+        ("peak_predicted", predicted),
+        ("peak_live", measured),
+        ("max_memory_allocated", allocated),
+        ("peak_later_steps_predicted", check.peak.later.bytes),
+        ("peak_vs_plan_pct", gpu_check.deviation_pct(measured, predicted)),
+    ):
+        record_testsuite_property(f"{finetune.name}.{key}", value)
+    error_pct = abs(gpu_check.deviation_pct(measured, predicted))
+    assert error_pct <= PEAK_TOLERANCE_PCT, (
+        f"{finetune.name}: peak predicted {predicted / 2**20:.1f} MiB at "
+        f"{check.peak.first.point}, measured {measured / 2**20:.1f} MiB at "
+        f"{check.peak_measured['point']} ({error_pct:.1f}% off, bound {PEAK_TOLERANCE_PCT}%)"
+    )
+    assert allocated >= measured, f"{finetune.name}: max_memory_allocated {allocated} < {measured}"
 
 
 # ---- recipes/train_lm.py ----------------------------------------------------------------------

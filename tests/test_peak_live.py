@@ -229,6 +229,56 @@ TINY_RUN = [
 
 
 @pytest.mark.multiprocess
+def test_bytes_no_walk_reaches_count_from_the_start_and_once_when_they_show_up():
+    """DDP's reducer allocates its buckets when the model is wrapped and no walk can reach
+    them before the first backward (.grad is still None): they are held from the step's
+    start, and their storage shows up only as the out= argument of the reducer's first
+    write. Counted once: from the start, not again at that write."""
+    from dpkit.core.walk import Unreached
+    from dpkit.memory.live import LiveTensors
+
+    bucket = torch.zeros(1000)  # 4,000 bytes made before the step, unknown to the tracker
+    gradient = torch.ones(1000)
+    other, ones = torch.zeros(10), torch.ones(10)  # made before the step too
+    live = LiveTensors(torch.device("cpu"))
+    live.hold_unreached(Unreached("grads", 1000 * FP32))
+    with live:
+        assert live.total == 4000
+        torch.mul(gradient, 0.5, out=bucket)  # the first write: no new bytes
+        assert live.total == 4000
+        doubled = bucket * 2  # a new 4,000-byte tensor
+        assert live.total == 8000 and live.peak == 8000
+        # A second pre-existing storage written in place, once the pool is spent, is new
+        # to the count (the tracker could not know it was there).
+        torch.mul(ones, 2.0, out=other)
+        assert live.total == 8000 + 10 * FP32
+        del doubled
+    split = live.breakdown()
+    assert split["grads"] == 4000, split  # the bucket, by the pool's category
+    assert live.peak == 8040
+
+
+def test_unreached_bytes_their_holder_lets_go_leave_the_count():
+    """DDP rebuilds its buckets in the second step's forward: the old ones, counted by size
+    from the step's start, are freed by C++ code the tracker does not see; the holder's
+    word (``still_held``) takes them out, and the new buckets count as they are made."""
+    from dpkit.core.walk import Unreached
+    from dpkit.memory.live import LiveTensors
+
+    rebuilt = []
+    live = LiveTensors(torch.device("cpu"))
+    live.hold_unreached(Unreached("grads", 4000.0, still_held=lambda: not rebuilt))
+    with live:
+        live.drop_released()
+        assert live.total == 4000  # still held
+        rebuilt.append(True)
+        live.drop_released()
+        new_bucket = torch.zeros(1000)  # the rebuilt bucket, made in the window
+        assert live.total == 4000, "the old buckets counted beside the new ones"
+        del new_bucket
+    assert live.peak == 4000
+
+
 def test_a_two_process_run_reports_each_ranks_live_high_water(tmp_path):
     out = tmp_path / "run"
     launch = run(torchrun_cmd(2, *TINY_RUN, "--output-dir", str(out)), out)

@@ -28,7 +28,9 @@ from tests import harness
 # A small GPT-2 shape (23M parameters: ZeRO saves more than its buckets cost at 2 ranks,
 # which the 5M-parameter "tiny" does not) on random tokens, short sequences.
 LM_ARGS = ["--size", "small", "--synthetic", "--seq-len", "32"]
-STEPS = ["--warmup-steps", "1", "--steps", "2"]
+# Two warm-up steps, the default: the trial's live-tensor peak is watched in the second,
+# AdamW's moments alive from its start (the run's peak).
+STEPS = ["--warmup-steps", "2", "--steps", "2"]
 TUNE_ARGS = [*STEPS, "--no-zero-variants"]
 # The strategies of the fixture's tune, least sharding first (dpkit plan's order, which
 # ties follow): FSDP2 shard-grad-op after ZeRO-2, whose stage it shares.
@@ -54,7 +56,7 @@ def _trial(results: dict, name: str) -> dict:
     return next(t for t in results["trials"] if t["name"] == name)
 
 
-def _raw_median(out: Path, name: str, warmup: int = 1) -> float:
+def _raw_median(out: Path, name: str, warmup: int = 2) -> float:
     """A trial's median step time from its own train_log.jsonl, not the tune's summary."""
     records = harness.read_jsonl(out / "trials" / name / "run" / "train_log.jsonl")
     return statistics.median(r["step_time_s"] for r in records if r["step"] > warmup)
@@ -65,12 +67,11 @@ def _raw_report(out: Path, name: str) -> dict:
 
 
 def _raw_peak(out: Path, name: str) -> float:
-    """A trial's largest rank, counted from its memory_report.json: model states, buffers
-    and activations at their high-waters."""
-    return max(
-        r["model_state_total"] + r["buffers_total"] + r["activations"]
-        for r in _raw_report(out, name)["ranks"]
-    )
+    """A trial's largest rank's high-water of live tensor bytes, read from its
+    memory_report.json (peak_live, watched in step 2, the second warm-up step)."""
+    ranks = _raw_report(out, name)["ranks"]
+    assert all(r["peak_live"]["step"] == 2 for r in ranks), name
+    return max(r["peak_live"]["bytes"] for r in ranks)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +154,7 @@ def test_every_candidate_is_measured_and_the_fastest_wins(tune_run):
 @pytest.mark.multiprocess
 def test_zero_and_fsdp2_losses_match_ddp_at_the_same_micro_batch(tune_run):
     # 2e-3: the suite's DDP-vs-ZeRO tolerance (tests/test_launchers.py), the tune's own in
-    # fp32; measured here at most 1.1e-7 (3 steps of a small GPT-2 on random tokens).
+    # fp32; measured here at most 1.1e-7 (4 steps of a small GPT-2 on random tokens).
     results = _results(tune_run[1])
     for trial in results["trials"]:
         micro = trial["micro_batch_size"]
@@ -168,13 +169,13 @@ def test_zero_and_fsdp2_losses_match_ddp_at_the_same_micro_batch(tune_run):
         name = f"-mb{micro}x{2 // micro}"
         logs = [out / "trials" / f"{s}{name}" / "run" / "train_log.jsonl" for s in (FSDP2, "ddp")]
         fsdp2, ddp = ([r["loss"] for r in harness.read_jsonl(log)] for log in logs)
-        assert harness.max_rel_diff(fsdp2, ddp, length=3) <= harness.FSDP2_RTOL
+        assert harness.max_rel_diff(fsdp2, ddp, length=4) <= harness.FSDP2_RTOL
         # Measured equal bit for bit; the losses move 1% between steps, so equal is not trivial.
         assert max(ddp) - min(ddp) > 100 * harness.FSDP2_RTOL * max(ddp)
     # Accumulating 2 micro-batches of 1 trains the same global batch as one of 2.
     one = _trial(results, "ddp-mb1x2")["figures"]["losses"]
     two = _trial(results, "ddp-mb2x1")["figures"]["losses"]
-    assert harness.max_rel_diff(one, two, length=3) < 2e-3
+    assert harness.max_rel_diff(one, two, length=4) < 2e-3
 
 
 @pytest.mark.multiprocess
@@ -281,13 +282,12 @@ def test_the_plan_follows_zero2s_accumulation(tune_run):
     assert all(check.measured["master"] > 0 for check in checks.values())
 
 
-# The tune's prediction on CPU against what each trial counts (model states, buffers and
-# activations at their high-waters): the same figure, without the transients between probe
-# points that a GPU's peak holds (FSDP2's root whole gradients and reduce-scatter input,
-# 48.8 MiB here; the loss's logits peak). Measured: within 0.6% for every candidate (ZeRO-2
-# at 1 x 2: -0.6%); before, with the transients, FSDP2 was +15.9% and +17.1% and was
-# pruned under a budget its measured peak fitted.
-TUNE_PREDICTION_PCT = 2.0
+# The tune's prediction (dpkit plan's peak of a later step) against each trial's measured
+# peak_live of step 2: within the margin the tune prunes by (10%, dpkit/tune/run.py), so
+# no candidate that fits is pruned. Measured in this fixture's tune (docs/tune.md), mb 2x1
+# / 1x2: DDP +0.0% / +3.4%, ZeRO-1 0.0% / 0.0%, ZeRO-2 -2.2% / -7.8%, FSDP2 shard-grad-op
+# +6.0% / +6.9% (docs/peak.md says what each misses).
+TUNE_PREDICTION_PCT = 10.0
 
 
 @pytest.mark.multiprocess

@@ -542,6 +542,171 @@ def test_a_trial_is_reused_only_by_a_tune_that_would_run_it_the_same_way(tmp_pat
     assert tune_trials.load_previous(retry, candidate) is None
 
 
+# What shapes a trial's time or memory, varied one at a time: a tune with any of these
+# changed launches the trial again. TuneConfig fields resolved into TuneSettings (nproc,
+# threads_per_process, recipe) are varied where the trial reads them, in the settings.
+SHAPES_THE_TRIAL_CONFIG = {
+    "recipe_args": ("--size", "small"),
+    "warmup_steps": 3,
+    "steps": 8,
+}
+SHAPES_THE_TRIAL_SETTINGS = {
+    "nproc": 4,
+    "device": "cuda",
+    "threads_per_process": 2,
+}
+SHAPES_THE_TRIAL_CANDIDATE = {
+    "strategy": "zero1",
+    "micro_batch_size": 1,
+    "gradient_accumulation_steps": 4,
+    "zero": (("reduce_bucket_size", 1_000_000),),
+    "gradient_checkpointing": True,
+}
+# What only chooses candidates or judges trials: the same trial is reused.
+JUDGES_ONLY_CONFIG = {
+    "strategies": ("ddp", "zero2"),
+    "micro_batch_size": 1,
+    "gradient_accumulation_steps": 2,
+    "baseline_strategy": "zero2",
+    "global_batch_size": 16,
+    "micro_batch_sizes": (1, 2),
+    "zero_bucket_sizes": (1_000_000,),
+    "gradient_checkpointing": "both",
+    "zero_variants": False,
+    "memory_budget": 2**30,
+    "time_budget_s": 60.0,
+    "max_trials": 3,
+    "trial_timeout_s": 60.0,
+    "tie_tolerance": 0.1,
+    "output_dir": "elsewhere",
+    "retry_failed": True,  # an ok trial is reused all the same
+}
+JUDGES_ONLY_SETTINGS = {
+    "global_batch_size": 16,
+    "per_rank_batch": 8,
+    "baseline_micro_batch": 1,
+    "micro_batch_sizes": (1,),
+    "precision": "bf16",  # the precision a trial runs in is a recipe argument
+    "memory_budget": 2**30,
+    "output_dir": None,  # the folder itself: the trial is read from it
+    "plan_model": {"model": "other"},
+}
+RESOLVED_INTO_SETTINGS = {"nproc", "threads_per_process", "recipe"}
+
+
+def test_every_tune_setting_is_known_to_shape_a_trial_or_not():
+    """A new setting must be sorted into one of the lists above (and so into the
+    fingerprint, or not) before this passes."""
+    from dataclasses import fields
+
+    config = {f.name for f in fields(TuneConfig)}
+    assert config == set(SHAPES_THE_TRIAL_CONFIG) | set(JUDGES_ONLY_CONFIG) | RESOLVED_INTO_SETTINGS
+    settings = {f.name for f in fields(TuneSettings)} - {"config", "recipe"}
+    assert settings == set(SHAPES_THE_TRIAL_SETTINGS) | set(JUDGES_ONLY_SETTINGS)
+    candidate = {f.name for f in fields(space.Candidate)} - {"round"}
+    assert candidate == set(SHAPES_THE_TRIAL_CANDIDATE)
+
+
+def _saved_trial(tmp_path: Path):
+    from dataclasses import replace
+
+    from dpkit.tune import trials as tune_trials
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    recipe = tmp_path / "train_lm.py"
+    recipe.write_text("print('a recipe')\n")
+    settings = replace(
+        _settings(recipe_args=("--size", "tiny")),
+        output_dir=tmp_path / "out",
+        recipe=RecipeInfo(recipe, frozenset(), 4),
+    )
+    candidate = space.Candidate("zero2", 2, 2)
+    tune_trials.save(settings, Trial(candidate, status=OK, figures={"median_step_time_s": 1.0}))
+    assert tune_trials.load_previous(settings, candidate).reused
+    return settings, candidate
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES_THE_TRIAL_CONFIG))
+def test_a_tune_setting_that_shapes_the_trial_launches_it_again(name, tmp_path):
+    from dataclasses import replace
+
+    from dpkit.tune import trials as tune_trials
+
+    settings, candidate = _saved_trial(tmp_path)
+    changed = replace(
+        settings, config=replace(settings.config, **{name: SHAPES_THE_TRIAL_CONFIG[name]})
+    )
+    assert tune_trials.load_previous(changed, candidate) is None
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES_THE_TRIAL_SETTINGS))
+def test_a_machine_setting_that_shapes_the_trial_launches_it_again(name, tmp_path):
+    from dataclasses import replace
+
+    from dpkit.tune import trials as tune_trials
+
+    settings, candidate = _saved_trial(tmp_path)
+    changed = replace(settings, **{name: SHAPES_THE_TRIAL_SETTINGS[name]})
+    assert tune_trials.load_previous(changed, candidate) is None
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES_THE_TRIAL_CANDIDATE))
+def test_another_candidate_is_another_trial(name, tmp_path):
+    from dataclasses import replace
+
+    from dpkit.tune import trials as tune_trials
+
+    settings, candidate = _saved_trial(tmp_path)
+    other = replace(candidate, **{name: SHAPES_THE_TRIAL_CANDIDATE[name]})
+    # Another candidate has its own folder too; the fingerprint must differ on its own.
+    assert tune_trials.fingerprint(settings, other) != tune_trials.fingerprint(settings, candidate)
+
+
+@pytest.mark.parametrize("name", sorted(JUDGES_ONLY_CONFIG))
+def test_a_setting_that_only_judges_trials_reuses_them(name, tmp_path):
+    from dataclasses import replace
+
+    from dpkit.tune import trials as tune_trials
+
+    settings, candidate = _saved_trial(tmp_path)
+    value = JUDGES_ONLY_CONFIG[name]
+    config = replace(settings.config, **{name: value})
+    changed = replace(settings, config=config)
+    again = tune_trials.load_previous(changed, candidate)
+    assert again is not None and again.reused
+
+
+@pytest.mark.parametrize("name", sorted(JUDGES_ONLY_SETTINGS))
+def test_a_resolved_setting_that_only_judges_trials_reuses_them(name, tmp_path):
+    from dataclasses import replace
+
+    from dpkit.tune import trials as tune_trials
+
+    settings, candidate = _saved_trial(tmp_path)
+    value = JUDGES_ONLY_SETTINGS[name]
+    changed = replace(settings, **{name: settings.output_dir if value is None else value})
+    again = tune_trials.load_previous(changed, candidate)
+    assert again is not None and again.reused
+
+
+def test_an_edited_recipe_or_another_library_version_launches_the_trial_again(
+    tmp_path, monkeypatch
+):
+    import importlib.metadata
+
+    from dpkit.tune import trials as tune_trials
+
+    settings, candidate = _saved_trial(tmp_path)
+    settings.recipe.path.write_text("print('the recipe, edited')\n")
+    assert tune_trials.load_previous(settings, candidate) is None
+    settings, candidate = _saved_trial(tmp_path / "again")
+    real = importlib.metadata.version
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "0.0.1" if name == "deepspeed" else real(name)
+    )
+    assert tune_trials.load_previous(settings, candidate) is None
+
+
 def test_a_script_without_the_flags_the_tune_sets_is_refused(tmp_path):
     from dpkit.tune.config import read_recipe
 
@@ -602,6 +767,7 @@ def test_the_plan_predicts_fsdp2_with_padded_shards_as_dpkit_plan_does():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from dpkit.core.spec import PlanInputs
+    from dpkit.plan.peak import step_peak, step_trace_for
     from dpkit.plan.recommend import make_plan
 
     settings = replace(
@@ -651,26 +817,19 @@ def test_the_plan_predicts_fsdp2_with_padded_shards_as_dpkit_plan_does():
         reserve=0,
         headroom=0.0,
     )
-    rows = {row.strategy: row for row in make_plan(inputs).rows}
+    made = make_plan(inputs)
+    rows = {row.strategy: row for row in made.rows}
     for name in ("fsdp2_shard_grad_op", "fsdp2_full_shard"):
-        row = rows[name]
-        # On CPU a trial counts tensors at the probe points: the plan's peak less what
-        # lives between them, the unit's whole gradients and reduce-scatter input in
-        # backward (full-shard: the whole parameters too, gathered again in backward) and
-        # the loss's logits peak (dropout 0: a CPU's kernels save what a GPU's do).
-        between_probes = (
-            row.buffer_parts["fsdp2_root_whole_grads"]
-            + row.buffer_parts["fsdp2_reduce_scatter"]
-            + (row.buffer_parts["fsdp2_whole_params"] if name == "fsdp2_full_shard" else 0.0)
-            + row.activation_parts["logits_peak"]
-        )
-        assert between_probes > 0
-        assert plan.predict(space.Candidate(name, 2, 2)) == pytest.approx(
-            row.total - between_probes, rel=1e-12
-        )
+        # A CPU trial's peak_live of its second step: dpkit plan's peak of a later step for
+        # these inputs, the step traced with a CPU's kernels (as dpkit plan --against a
+        # CPU run plans it), the row's model states with each shard padded.
+        trace = step_trace_for(inputs, name, 2, device="cpu")
+        later = step_peak(inputs, name, rows[name], trace, made.settings, on_gpu=False).later
+        assert plan.predict(space.Candidate(name, 2, 2)) == pytest.approx(later.bytes, rel=1e-12)
         cuda = copy.copy(plan)
         cuda.settings = replace(plan.settings, device="cuda")
-        assert cuda.predict(space.Candidate(name, 2, 2)) == row.total  # a GPU's peak
+        # A GPU's: dpkit plan's own peak for these inputs (traced with a GPU's kernels).
+        assert cuda.predict(space.Candidate(name, 2, 2)) == made.peaks[name].later.bytes
 
 
 def _lm_settings(size: str, device: str = "cpu") -> TuneSettings:
@@ -724,10 +883,11 @@ def test_the_plan_predicts_each_candidate_with_its_own_settings():
         reserve=0,
         headroom=0.0,
     )
-    rows = {row.strategy: row for row in make_plan(inputs).rows}
+    peaks = make_plan(inputs).peaks
     small.settings = replace(small.settings, device="cuda")  # dpkit plan plans for GPUs
     for name in ("ddp", "zero1", "zero2"):
-        assert small.predict(space.Candidate(name, 1, 4)) == rows[name].total, name
+        # The peak of a later step (the tune's trials watch their second step).
+        assert small.predict(space.Candidate(name, 1, 4)) == peaks[name].later.bytes, name
 
 
 def _decision(trial: Trial):
@@ -982,10 +1142,9 @@ def test_the_plan_predicts_a_checkpointed_candidate_as_dpkit_plan_does():
         gradient_accumulation_steps=1, seq_len=32, reserve=0, headroom=0.0,
         activation_checkpointing=True,
     )  # fmt: skip
-    rows = {row.strategy: row for row in make_plan(inputs).rows}
-    assert (
-        plan.predict(space.Candidate("ddp", 4, 1, gradient_checkpointing=True)) == rows["ddp"].total
-    )
+    later = make_plan(inputs).peaks["ddp"].later
+    assert plan.predict(space.Candidate("ddp", 4, 1, gradient_checkpointing=True)) == later.bytes
+    assert later.bytes < plan.predict(space.Candidate("ddp", 4, 1))
 
 
 def test_checkpointing_needs_the_recipes_flag_and_is_the_tunes_to_set(tmp_path):
@@ -1037,25 +1196,34 @@ def test_the_plan_traces_only_the_activations_the_search_needs():
 
 
 def test_auto_follows_each_pruned_candidate_with_its_checkpointed_twin_predicted():
-    """A budget just under DDP's plain prediction at micro-batch 4 (more than the plan's
-    10% under it): DDP is pruned, its checkpointed twin, predicted with fewer activations,
-    is not; after the round, a candidate measured over the budget gets its twin once."""
+    """A budget between DDP's plain and checkpointed predictions at micro-batch 4 (more than
+    the plan's 10% margin): DDP is pruned, its checkpointed twin, predicted with fewer
+    activations, is not; every candidate predicted over gets its twin, each judged by its
+    own prediction; after the round, a candidate measured over the budget gets its twin
+    once."""
     from dataclasses import replace
 
     from dpkit.tune.run import _Stop, _Tuner
 
     settings = _with_flag(_lm_settings("small"))
-    plain = space.MemoryPlan(settings).predict(space.Candidate("ddp", 4, 1))
-    settings = replace(settings, memory_budget=plain / 1.1 - 1)
+    plan = space.MemoryPlan(settings)
+    plain = plan.predict(space.Candidate("ddp", 4, 1))
+    checkpointed = plan.predict(space.Candidate("ddp", 4, 1, gradient_checkpointing=True))
+    assert checkpointed < plain
+    limit = (plain + checkpointed) / 2  # the budget plus the 10% margin
+    settings = replace(settings, memory_budget=limit / 1.1)
     tuner = _Tuner(settings, {}, _Stop())
     first = tuner.first_round()
     names = [t.name for t in first]
-    assert len(names) == len(set(names)) == 15 + 1  # every strategy x 3 micro-batches + 1 twin
-    ddp, twin = first[0], first[-1]
-    assert (ddp.name, ddp.status) == ("ddp-mb4x1", "pruned")
-    assert twin.name == "ddp-mb4x1-ckpt" and twin.status == "not run"  # to be measured
-    assert twin.predicted_bytes < settings.memory_budget * 1.1 < ddp.predicted_bytes
-    assert all(t.status == "not run" for t in first[1:])
+    plain_round, twins = first[:15], first[15:]  # every strategy x 3 micro-batches, then twins
+    assert len(names) == len(set(names))
+    pruned = [t for t in plain_round if t.status == "pruned"]
+    assert pruned[0].name == "ddp-mb4x1" == names[0]
+    assert [t.name for t in twins] == [f"{t.name}-ckpt" for t in pruned]
+    for trial in first:
+        assert (trial.status == "pruned") is (trial.predicted_bytes > limit), trial.name
+        assert trial.status in ("pruned", "not run")
+    assert twins[0].name == "ddp-mb4x1-ckpt" and twins[0].status == "not run"  # to be measured
     # Measured: zero1 at micro-batch 4 over the budget, the rest within it.
     tuner.trials = [_trial("zero1", 4, 1.0, memory=2 * plain), _trial("zero2", 4, 1.0, memory=1.0)]
     later = tuner.twins_of_what_did_not_fit()

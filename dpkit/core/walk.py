@@ -21,7 +21,8 @@ step where they exist.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +58,15 @@ def _local_storage_key(tensor: torch.Tensor) -> tuple[str, int, int] | None:
     return (tensor.device.type, tensor.device.index or 0, storage.data_ptr())
 
 
+@dataclass
+class Unreached:
+    """Bytes a walk knows are held but reaches no tensor of (:meth:`Ledger.count_unreachable`)."""
+
+    category: str
+    nbytes: float
+    still_held: Callable[[], bool] | None = None
+
+
 class Ledger:
     """Storages seen in one walk; each is counted once, under the first category claiming it."""
 
@@ -68,6 +78,9 @@ class Ledger:
         # (tensor, category) of every storage counted, when asked (the live-bytes tracker
         # follows them from there: dpkit.memory.live).
         self._tensors: list[tuple[torch.Tensor, str]] | None = [] if keep_tensors else None
+        self.unreached: list[Unreached] = []
+        """Bytes held where no tensor is reachable from Python (DDP's reducer buckets):
+        counted by size; the live-bytes tracker holds them until their storage shows up."""
 
     def owners(self) -> dict[tuple[str, int, int], str]:
         """The category each storage counted was claimed under, by :func:`storage_key`."""
@@ -96,6 +109,19 @@ class Ledger:
         bucket = (self.host_holders if placement == "host" else self.holders)[category]
         bucket[holder] = bucket.get(holder, 0.0) + float(tensor.untyped_storage().nbytes())
         return True
+
+    def count_unreachable(
+        self,
+        category: str,
+        holder: str,
+        nbytes: float,
+        still_held: Callable[[], bool] | None = None,
+    ) -> None:
+        """Count ``nbytes`` that are held (a C++ object's tensors, known by their sizes)
+        but that no walk can reach as tensors; ``still_held`` says, later, whether the
+        holder still has them (None: until the storage shows up)."""
+        self.holders[category][holder] = self.holders[category].get(holder, 0.0) + nbytes
+        self.unreached.append(Unreached(category, float(nbytes), still_held))
 
     def claim_all(
         self, tensors: Iterable[Any], category: str, holder: str, placement: str = "device"

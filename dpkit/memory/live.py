@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from dpkit.core.categories import CATEGORIES
 from dpkit.core.walk import (
     Ledger,
+    Unreached,
     inner_torch_optimizer,
     local_shard,
     storage_key,
@@ -96,6 +97,10 @@ class LiveTensors(TorchDispatchMode):
         self._dirty = False
         self._original_resize: Any = None
         self._fake_mode: Any = None
+        self._unreached: list[Unreached] = []
+        """Bytes held from the step's start that no walk reached as tensors (DDP's reducer
+        buckets): in the total until their storage shows up or their holder lets them go."""
+        self._peak_unreached: dict[str, float] = {}
 
     # ---- storages -------------------------------------------------------------------
 
@@ -128,6 +133,38 @@ class LiveTensors(TorchDispatchMode):
         self._refs[ident] = weakref.ref(storage, lambda _, ident=ident: self._freed(ident))
         self.total += record.nbytes
         return True
+
+    def hold_unreached(self, held: Unreached) -> None:
+        """Count bytes held where no walk reaches a tensor (the ledger's
+        :attr:`~dpkit.core.walk.Ledger.unreached`): alive from now on. The storage behind
+        them shows up later as an operator's ``out=`` or in-place argument (DDP's reducer
+        writing its first gradient into a bucket) and is then taken from them rather than
+        counted a second time; if their holder frees them first (DDP rebuilding its
+        buckets in the second step's forward), :meth:`drop_released` takes them out."""
+        self._unreached.append(held)
+        self.total += int(held.nbytes)
+
+    def drop_released(self) -> None:
+        """Take out the unreached bytes their holder has let go (checked at each module)."""
+        for held in self._unreached:
+            if held.nbytes > 0 and held.still_held is not None and not held.still_held():
+                if self._dirty:
+                    self._keep_peak()
+                self.total -= int(held.nbytes)
+                held.nbytes = 0.0
+
+    def _take_unreached(self, tensor: torch.Tensor) -> bool:
+        """``tensor``, an operator's output written in place, is a storage from before the
+        step: follow it, its bytes taken from the unreached bytes. True if the total grew
+        (the storage was larger than what was left unreached)."""
+        held = next((h for h in self._unreached if h.nbytes > 0), None)
+        before = self.total
+        if held is None or not self.add(tensor, held.category):
+            return False
+        taken = min(float(self.total - before), held.nbytes)
+        held.nbytes -= taken
+        self.total -= int(taken)
+        return self.total > before
 
     def _freed(self, ident: int) -> None:
         record = self._live.get(ident)
@@ -170,6 +207,10 @@ class LiveTensors(TorchDispatchMode):
             self.at_peak = {"op": op, **self.where()}
             self._peak_walks = self.walks
             self._peak_ops = self.ops
+            self._peak_unreached = {}
+            for held in self._unreached:
+                split = self._peak_unreached
+                split[held.category] = split.get(held.category, 0.0) + held.nbytes
             # The live set is copied lazily, at the next free: until then every change
             # is an allocation, which makes a new high-water.
             self._dirty = True
@@ -187,11 +228,28 @@ class LiveTensors(TorchDispatchMode):
             return out  # DTensor's sharding propagation runs on fake tensors: no memory
         self.ops += 1
         grew = False
+        written = self._written_inputs(args, kwargs) if self._pool_left() else set()
         for tensor in _tensors(out):
-            grew |= self.add(tensor)
+            if written and _storage_id(tensor) in written:
+                grew |= self._take_unreached(tensor)
+            else:
+                grew |= self.add(tensor)
         if grew:
             self._maybe_peak(str(func))
         return out
+
+    def _pool_left(self) -> bool:
+        return any(held.nbytes > 0 for held in self._unreached)
+
+    def _written_inputs(self, args: Any, kwargs: Any) -> set[int]:
+        """The storages of the operator's tensor arguments not followed yet: an output on
+        one of them was written in place (``out=``, ``copy_``), not allocated."""
+        found = set()
+        for tensor in _tensors(list(args) + list((kwargs or {}).values())):
+            ident = _storage_id(tensor) if tensor.device.type == self.device_type else None
+            if ident is not None and ident not in self._live:
+                found.add(ident)
+        return found
 
     def __enter__(self) -> LiveTensors:
         self._fake_mode = active_fake_mode()  # None in eager
@@ -236,6 +294,8 @@ class LiveTensors(TorchDispatchMode):
         split = dict.fromkeys(LIVE_CATEGORIES, 0.0)
         for record, nbytes in self._peak_live:
             split[self._category(record)] += nbytes
+        for category, nbytes in self._peak_unreached.items():
+            split[category] += nbytes
         return split
 
     def _category(self, record: _Storage) -> str:
@@ -259,6 +319,17 @@ class LiveTensors(TorchDispatchMode):
         self._by_key.clear()
 
 
+def _storage_id(tensor: torch.Tensor) -> int | None:
+    """The identity of ``tensor``'s storage object (torch keeps one Python object per
+    live storage), None for a tensor without a plain storage."""
+    if storage_key(tensor) is None:
+        return None
+    try:
+        return id(local_shard(tensor).untyped_storage())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 def _batch_shape(inputs: list[Any]) -> dict[str, int] | None:
     """The measured forward's micro-batch and tokens: the first 2-D integer input (the token
     ids), which ``dpkit plan --against`` plans the peak for; None for other inputs."""
@@ -277,11 +348,11 @@ class PeakLive:
     forward and closes it at :meth:`close` (:meth:`MemoryTracker.step_done
     <dpkit.memory.tracker.MemoryTracker.step_done>`), naming where the step is.
 
-    The step is the first: the step probes walk it (their walks name each storage; this
-    adds one walk, at the step's start), and the cost lands on a step that already pays
-    for probes. What later steps hold is there too: Adam's moments, made lazily in the first
-    update, are made before the update's temporaries and counted at the high-water as in
-    any later step.
+    The step is the last one the step probes walk (their walks name each storage; this
+    adds one walk, at the step's start), so the cost lands on a step that already pays for
+    probes: the first by default. In the first, Adam's moments are made lazily inside the
+    update, so its forward and backward run without them; a later step (``dpkit tune``
+    probes two) holds them from its start, the run's peak.
 
     Points (:data:`PHASES`): ``forward`` (with the innermost module running), ``loss``
     (the outermost forward after its last submodule returned, and anything between the
@@ -310,8 +381,12 @@ class PeakLive:
         self._modules: list[str] = []
         self._top: torch.nn.Module = unwrap_module(model)
         self._children_returned = 0
+        # Opened at the user's module, inside a wrapper's own pre-forward work: DDP
+        # rebuilds its buckets there in its second iteration, freeing the old ones in C++
+        # (unseen) before making the new ones; opened after it, the walk sees the buckets
+        # that stay.
         self._handles: list[Any] = [
-            model.register_forward_pre_hook(self._open, with_kwargs=True),
+            self._top.register_forward_pre_hook(self._open, with_kwargs=True),
         ]
         self._window_handles: list[Any] = []
         self._started = 0.0
@@ -350,6 +425,8 @@ class PeakLive:
         walk(self.engine, self.model, self.optimizer, ledger=ledger)
         for tensor, category in ledger.tensors():
             live.add(tensor, category)
+        for held in ledger.unreached:
+            live.hold_unreached(held)
         for tensor in _tensors(list(args) + list(kwargs.values())):
             live.add(tensor)  # the batch: temporary
         self._batch = _batch_shape(list(args) + list(kwargs.values()))
@@ -449,6 +526,7 @@ class PeakLive:
     def _enter_module(self, name: str) -> None:
         if self.live is None or self.result is not None:
             return
+        self.live.drop_released()
         if name == "" and self.phase != "forward":
             self._set("forward")
             self._children_returned = 0

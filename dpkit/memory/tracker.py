@@ -251,7 +251,8 @@ class MemoryTracker:
             offload_optimizer: where ZeRO offloads optimizer state (``cpu``), or None.
             probe_steps: probe the first N optimizer steps (see :meth:`step_done`) and
                 keep their high-waters; -1 every step; 0 installs no probes (a report then
-                sees only what is held when it is taken).
+                sees only what is held when it is taken). The live tensor bytes
+                (``peak_live``) are watched in the last step probed (with -1, the first).
             count_activations: count the bytes autograd saves for backward.
             model_record: the model as ``dpkit plan --against`` reads it
                 (:func:`model_record`), saved with the report; None: not recorded.
@@ -272,6 +273,10 @@ class MemoryTracker:
         # the steady step, and its live bytes are watched there.
         self.steady_step = engine_of(self.strategy).memory.steady_step(optimizer)
         self.probe_steps = max(probe_steps, self.steady_step) if probe_steps > 0 else probe_steps
+        # The live bytes are watched in the last probed step (its walks name them): the
+        # first by default; a later one holds AdamW's moments from its start, the run's
+        # peak (dpkit tune probes two warm-up steps for it).
+        self.watched_step = self.probe_steps if self.probe_steps > 0 else self.steady_step
         self.model_record = model_record
         self._steps_seen = 0
         self.rss_reset = reset_peak(getattr(accelerator, "device", None))
@@ -290,7 +295,7 @@ class MemoryTracker:
                 optimizer,
                 engine_of(self.strategy),
                 getattr(accelerator, "device", None),
-                from_step=self.steady_step,
+                from_step=self.watched_step,
             )
             if self.probes is not None
             else None

@@ -211,7 +211,7 @@ class TrainConfig:
         default=1,
         metadata={
             "help": "Walk the tensors inside the first N optimizer steps only (-1: every "
-            "step, 0: never)."
+            "step, 0: never); the live-tensor peak is watched in step N (-1: the first)."
         },
     )
     """The memory probes (:class:`dpkit.memory.MemoryTracker`) walk each rank's tensors where its

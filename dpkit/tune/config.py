@@ -31,7 +31,9 @@ OPTIONAL_FLAGS = {
     "overwrite-output-dir": [],
     "no-save-model": [],
     "no-save-checkpoints": [],
-    "memory-probe-steps": ["1"],  # walk the tensors in step 1 (a warm-up step) only
+    # Walk the tensors in the warm-up steps only; the live-tensor peak is watched in the
+    # last one walked (TuneSettings.probe_steps).
+    "memory-probe-steps": [],
 }
 HELP_TIMEOUT_S = 300
 CHECKPOINTING_MODES = ("auto", "off", "on", "both")
@@ -201,12 +203,14 @@ class RecipeInfo:
     flags: frozenset[str]
     default_micro_batch: int | None
 
-    def extra_args(self) -> list[str]:
-        """The optional flags this recipe has (:data:`OPTIONAL_FLAGS`), with their values."""
+    def extra_args(self, probe_steps: int = 1) -> list[str]:
+        """The optional flags this recipe has (:data:`OPTIONAL_FLAGS`), with their values;
+        ``--memory-probe-steps`` gets ``probe_steps``."""
         extra: list[str] = []
         for name, values in OPTIONAL_FLAGS.items():
             if name in self.flags:
-                extra += [f"--{name}", *values]
+                given = [str(probe_steps)] if name == "memory-probe-steps" else values
+                extra += [f"--{name}", *given]
         return extra
 
 
@@ -242,6 +246,13 @@ class TuneSettings:
             "on": "every candidate checkpointed",
             "both": "every candidate with and without checkpointing",
         }[self.config.gradient_checkpointing]
+
+    @property
+    def probe_steps(self) -> int:
+        """Warm-up steps whose tensors a trial walks: two where there are two, so the
+        live-tensor peak is watched in the second, which holds AdamW's moments from its
+        start (the run's peak; the first step makes them inside its update)."""
+        return min(2, self.config.warmup_steps)
 
     @property
     def total_steps(self) -> int:

@@ -27,12 +27,17 @@ candidate predicted over the budget is not launched.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dpkit.engines import engine_of, get_strategy
 from dpkit.plan.estimate import StrategyEstimate
 from dpkit.plan.recommend import recommendation_order
 from dpkit.tune.config import TuneSettings
+
+if TYPE_CHECKING:
+    from dpkit.core.spec import PlanInputs
+    from dpkit.core.step import StepTrace
+    from dpkit.plan.peak import StepPeak
 
 MIB = 2**20
 
@@ -210,6 +215,7 @@ class MemoryPlan:
             settings.plan_model or {}, f"--recipe={settings.recipe.path.name}"
         )
         self.precision = canonical_precision(settings.precision)
+        self._traces: dict[tuple[str, int, bool, str], StepTrace | None] = {}
         # The trials' kernels: a CPU saves other tensors for backward than a GPU does.
         self.activations = {
             checkpointing: activation_profile(
@@ -224,39 +230,82 @@ class MemoryPlan:
         return {"off": (False,), "on": (True,)}.get(mode, (False, True))
 
     def predict(self, candidate: Candidate) -> float:
-        """Predicted bytes per rank of what a trial measures: on CUDA its peak (the plan's
-        total, no reserve, no headroom); on CPU the counted tensors at their high-waters
-        (:attr:`~dpkit.plan.estimate.StrategyEstimate.probed`), without the transients
-        between probe points that the plan adds to a GPU's peak."""
-        row = self.estimate(candidate)
-        return float(row.total if self.settings.device == "cuda" else row.probed)
+        """Predicted bytes per rank of what a trial measures: the peak of live tensor
+        bytes, temporaries included (:mod:`dpkit.plan.peak`, no reserve), of the step the
+        trial watches (:attr:`~dpkit.tune.config.TuneSettings.probe_steps`): a later step,
+        AdamW's moments alive from its start, the run's peak; the first with one warm-up
+        step. A trial measures it as ``peak_live`` on CPU, the allocator's peak on CUDA."""
+        peak = self.peak(candidate)
+        return (peak.later if self.settings.probe_steps >= 2 else peak.first).bytes
+
+    def peak(self, candidate: Candidate) -> StepPeak:
+        """``dpkit plan``'s step peak for ``candidate`` (:func:`dpkit.plan.peak.step_peak`),
+        its step traced on the meta device once per micro-batch, checkpointing and
+        strategy."""
+        from dpkit.plan.peak import step_peak, step_trace_for
+
+        inputs = self._inputs(candidate)
+        key = (
+            candidate.strategy,
+            candidate.micro_batch_size,
+            candidate.gradient_checkpointing,
+            self.settings.device,
+        )
+        if key not in self._traces:
+            self._traces[key] = step_trace_for(
+                inputs, candidate.strategy, candidate.micro_batch_size, self.settings.device
+            )
+        trace = self._traces[key]
+        if trace is None:
+            raise ValueError(f"{self.model_name}: no parameter shapes to trace its step")
+        return step_peak(
+            inputs,
+            candidate.strategy,
+            self.estimate(candidate),
+            trace,
+            self._plan_settings(candidate),
+            on_gpu=self.settings.device == "cuda",
+        )
+
+    def _inputs(self, candidate: Candidate) -> PlanInputs:
+        from dpkit.core.spec import PlanInputs
+
+        return PlanInputs(
+            model=self.spec,
+            gpus_per_node=self.settings.nproc,
+            gpu_memory=max(self.settings.memory_budget or 0, 2**40),
+            precision=self.precision,
+            micro_batch=candidate.micro_batch_size,
+            gradient_accumulation_steps=candidate.gradient_accumulation_steps,
+            seq_len=self.seq_len,
+            activation_checkpointing=candidate.gradient_checkpointing,
+            reserve=0,
+            headroom=0.0,
+        )
+
+    def _plan_settings(self, candidate: Candidate) -> dict[str, Any]:
+        from dpkit.plan.estimate import buffer_settings
+
+        plan_settings = buffer_settings(
+            self.spec, self.settings.nproc, on_cuda=self.settings.device == "cuda"
+        )
+        plan_settings.update(candidate.zero_overrides)
+        return plan_settings
 
     def estimate(self, candidate: Candidate) -> StrategyEstimate:
         """``dpkit plan``'s row (:class:`~dpkit.plan.estimate.StrategyEstimate`) for the
         candidate: its micro-batch and accumulation, its ZeRO keys over dpkit's buffer
         settings. FSDP2's rows come from the model's parameter shapes, each padded on dim
         0 to a multiple of the processes, as ``dpkit plan`` makes them."""
-        from dpkit.core.spec import PlanInputs
-        from dpkit.plan.estimate import buffer_settings, estimate
+        from dpkit.plan.estimate import estimate
 
-        on_cuda = self.settings.device == "cuda"
-        nproc = self.settings.nproc
-        inputs = PlanInputs(
-            model=self.spec,
-            gpus_per_node=nproc,
-            gpu_memory=max(self.settings.memory_budget or 0, 2**40),
-            precision=self.precision,
-            micro_batch=candidate.micro_batch_size,
-            gradient_accumulation_steps=candidate.gradient_accumulation_steps,
-            seq_len=self.seq_len,
-            reserve=0,
-            headroom=0.0,
-        )
-        plan_settings = buffer_settings(self.spec, nproc, on_cuda=on_cuda)
-        plan_settings.update(candidate.zero_overrides)
         activations = self.activations[candidate.gradient_checkpointing]
         return estimate(
-            inputs, candidate.strategy, candidate.micro_batch_size, activations, plan_settings
+            self._inputs(candidate),
+            candidate.strategy,
+            candidate.micro_batch_size,
+            activations,
+            self._plan_settings(candidate),
         )
 
 

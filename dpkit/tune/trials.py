@@ -82,10 +82,40 @@ def trial_dir(settings: TuneSettings, candidate: Candidate) -> Path:
     return settings.output_dir / "trials" / candidate.name
 
 
+TRIAL_LIBRARIES = ("dpkit", "torch", "deepspeed", "accelerate", "transformers")
+"""The packages whose version changes what a trial measures (its kernels, its engine,
+dpkit's own measure)."""
+
+
+def _versions() -> dict[str, str | None]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found: dict[str, str | None] = {}
+    for name in TRIAL_LIBRARIES:
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def _file_digest(path: Path) -> str | None:
+    """The recipe's bytes: an edited script is another trial."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    except OSError:
+        return None
+
+
 def fingerprint(settings: TuneSettings, candidate: Candidate) -> str:
-    """Everything that shapes a trial's figures; paths and ports left out."""
+    """Everything that shapes a trial's time or memory: the recipe (its name and its
+    code), its arguments, processes, device, steps and threads, the candidate, and the
+    versions of the libraries that run it; paths, ports and the tune's own settings that
+    only judge a trial (the budgets, the tie tolerance) left out."""
     key = {
         "recipe": settings.recipe.path.name,
+        "recipe_code": _file_digest(settings.recipe.path),
+        "libraries": _versions(),
         "recipe_args": list(settings.config.recipe_args),
         "nproc": settings.nproc,
         "device": settings.device,
@@ -125,7 +155,7 @@ def phase(settings: TuneSettings, candidate: Candidate) -> launch.Phase:
         *recipe_command(settings, candidate),
         "--max-steps", str(settings.total_steps),
         "--output-dir", str(run_dir),
-        *settings.recipe.extra_args(),
+        *settings.recipe.extra_args(settings.probe_steps),
     ]  # fmt: skip
     return launch.Phase(candidate.name, strategy, False, "accelerate launch", cmd, run_dir)
 
@@ -157,14 +187,23 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
     steps = summarize_steps(records, settings.config.warmup_steps, settings.nproc)
     memory = summarize_memory(read_json(run_dir / "memory_report.json"))
     on_cuda = str(info.get("device", "cpu")).startswith("cuda")
-    # CUDA: the allocator's peak. CPU: per rank, the counted tensors at their high-waters
-    # (model states, buffers, activations), what dpkit plan predicts and the strategy
-    # changes; the process's RSS adds the interpreter and libraries, which differ by
-    # launcher, not by strategy (it is kept in memory_ranks).
+    # CUDA: the allocator's peak. CPU: the high-water of live tensor bytes of the watched
+    # step (peak_live: temporaries included), what dpkit plan's peak predicts; the
+    # process's RSS adds the interpreter and libraries, which differ by launcher, not by
+    # strategy (it is kept in memory_ranks). A run without peak_live (a script that probes
+    # no step) falls back on the counted tensors at their high-waters.
     counted = [
         r["model_states"] + r["buffers"] + float(r["activations"] or 0.0) for r in memory["ranks"]
     ]
-    peak = memory["peak_bytes"] if on_cuda and memory["peak_bytes"] else max(counted)
+    live = [r.get("peak_live") for r in read_json(run_dir / "memory_report.json")["ranks"]]
+    live_bytes = [float(p["bytes"]) for p in live if p]
+    if on_cuda and memory["peak_bytes"]:
+        peak, kind, step = memory["peak_bytes"], "cuda max allocated", None
+    elif live_bytes:
+        peak, kind = max(live_bytes), "live tensors (temporaries included)"
+        step = next(p.get("step") for p in live if p and float(p["bytes"]) == peak)
+    else:
+        peak, kind, step = max(counted), "counted tensors (with activations)", None
     # The backend's config as its engine got it: the settings the tune varies, as they
     # ran (DeepSpeed's resolved buckets feed the second round). A backend with none to
     # vary (DDP, FSDP2) writes no config: recorded as None.
@@ -176,7 +215,8 @@ def read_figures(settings: TuneSettings, candidate: Candidate, run_dir: Path) ->
     return {
         **{k: v for k, v in steps.items() if k != "step_cpu_s"},
         "memory_bytes": float(peak),
-        "memory_kind": "cuda max allocated" if on_cuda else "counted tensors (with activations)",
+        "memory_kind": kind,
+        "memory_step": step,
         "memory_per_rank": memory["per_rank"],
         "model_states_per_rank": max(r["model_states"] for r in memory["ranks"]),
         "memory_ranks": [

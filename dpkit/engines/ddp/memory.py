@@ -75,10 +75,19 @@ class DDPMemory(MeasuredMemory):
             # from DDP's logging data. With gradient_as_bucket_view the .grad fields *are*
             # the buckets (counted above); zero_grad(set_to_none) drops the views but the
             # reducer keeps the buckets, so the gradient memory is still held, by them.
+            # DDP rebuilds its buckets once, in the second iteration's forward (in the order
+            # the first backward's gradients arrived): the ones counted here are freed then.
+            rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+
+            def still_held() -> bool:
+                return bool(getattr(ddp, "_has_rebuilt_buckets", False)) == rebuilt
+
             if buckets and not bucket_view:
-                ledger.holders["buffers"]["ddp_buckets"] = buckets
+                ledger.count_unreachable("buffers", "ddp_buckets", buckets, still_held)
             elif buckets and not grads_seen:
-                ledger.holders["grads"]["ddp_buckets (grad views released, buckets kept)"] = buckets
+                ledger.count_unreachable(
+                    "grads", "ddp_buckets (grad views released, buckets kept)", buckets, still_held
+                )
         claim_module_buffers(ledger, module)
         return info
 
