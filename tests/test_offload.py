@@ -16,6 +16,7 @@ import json
 
 import pytest
 
+from dpkit.core.spec import PlanInputs
 from tests.checkpoint_runs import CK_RUN, LOGS_ONLY, NO_DROPOUT, launch_ck, step3
 from tests.harness import max_rel_diff, run, torchrun_cmd
 
@@ -55,6 +56,24 @@ def test_offload_runs_as_offload_and_trains_as_zero2(reference, offload):
     assert offload.ds_config["zero_force_ds_cpu_optimizer"] is False
     assert offload.ds_config["zero_optimization"]["contiguous_gradients"] is True
     assert offload.ds_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+
+
+@pytest.mark.multiprocess
+def test_what_the_plan_recommends_for_7b_on_one_gpu_is_what_this_launch_ran(offload):
+    """dpkit plan for Llama-7B on one 80 GiB GPU (bf16, micro-batch 1 x 4096): nothing
+    that keeps its state on the device fits (DDP needs 144.4 GiB, ZeRO-3 154.3 GiB; FSDP2
+    130.2 GiB at one GPU); ZeRO-2 offload does (39.7 GiB). The name it recommends is the
+    strategy this file's launch ran as, from --strategy given that name."""
+    from dpkit.plan.inputs import load_model
+    from dpkit.plan.recommend import make_plan
+
+    inputs = PlanInputs(
+        model=load_model("llama-7b"), gpus_per_node=1, gpu_memory=80 * 2**30,
+        precision="bf16", micro_batch=1, seq_len=4096,
+    )  # fmt: skip
+    recommended = make_plan(inputs).recommended
+    assert recommended == offload.run_info["strategy"] == "zero2_offload"
+    assert f"--strategy {recommended}" in " ".join(offload.cmd)
 
 
 @pytest.mark.multiprocess

@@ -727,7 +727,7 @@ def test_fsdp2_is_recommended_where_zero2_does_not_fit_before_offload():
     """1B parameters from a count on 8 x 7 GiB (6.3 GiB usable, 2 GiB reserve): ZeRO-2 needs
     2 + 0.75 + 1 + 0.5 + 0.25 (its step's flat copy) GB and DeepSpeed's 1 GB reduce bucket,
     5.5 GB before the reserve; FSDP2 shard-grad-op 16/8 GB of states and 2 GB of whole bf16
-    parameters, 4 GB, which fits; ZeRO-2 offload fits too but is only shown for reference."""
+    parameters, 4 GB, which fits; ZeRO-2 offload fits too but steps on the CPU: after it."""
     spec = ModelSpec(name="1B", source="count", num_params=10**9)
     result = make_plan(PlanInputs(model=spec, gpu_memory=7 * GIB, seq_len=1024))
     assert result.row("zero2").total == 5.5e9 + 2 * GIB
@@ -737,6 +737,18 @@ def test_fsdp2_is_recommended_where_zero2_does_not_fit_before_offload():
     assert result.reason.startswith("DDP needs")
     assert "ZeRO-2 needs 7.1 GiB" in result.reason
     assert "least sharding dpkit runs that fits" in result.reason
+
+
+def test_every_strategy_the_plan_can_recommend_is_one_the_recipes_take():
+    """The plan recommends from recommendation_order(); each name there is a --strategy the
+    recipes accept (their flag's choices, checked when the config is built) and runs."""
+    from dpkit.train.config import StrategyConfig
+
+    for strategy in recommendation_order():
+        assert strategy.runnable, strategy.name
+        assert StrategyConfig(strategy=strategy.name).strategy == strategy.name
+    with pytest.raises(UsageError, match="--strategy='zero3_offload': not one of"):
+        StrategyConfig(strategy="zero3_offload")  # a plan-only name would be refused so
 
 
 def test_cpu_adam_only_runs_offloaded(specs):

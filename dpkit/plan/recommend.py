@@ -71,14 +71,14 @@ def format_gib(value: float) -> str:
 
 
 def recommendation_order() -> list[Strategy]:
-    """The order the plan tries strategies in: those dpkit's recipes run, least sharding
-    first (DDP, ZeRO-1, ZeRO-2, FSDP2 shard-grad-op, FSDP2 full-shard), then those it shows
-    for reference (ZeRO-2 offload, ZeRO-3). An FSDP2 mode is thus recommended only where
-    DDP and DeepSpeed's ZeRO-1/2 do not fit, ahead of offload (a CPU step every step) and
-    of a ZeRO-3 config of the user's own."""
+    """The order the plan tries strategies in: those dpkit's recipes run that keep their
+    state on the device, least sharding first (DDP, ZeRO-1, ZeRO-2, ZeRO-3, FSDP2
+    shard-grad-op, FSDP2 full-shard), then those that offload to host memory (ZeRO-2
+    offload: a CPU step every step), then any row shown for reference only (none today:
+    every row runs)."""
     strategies = list(STRATEGIES.values())
     # Offload steps on the CPU every step: after every runnable row that keeps its state
-    # on the device, however sharded (spike/offload: zero2_offload became runnable).
+    # on the device, however sharded.
     return (
         [s for s in strategies if s.runnable and not s.offload]
         + [s for s in strategies if s.runnable and s.offload]

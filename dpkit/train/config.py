@@ -37,8 +37,8 @@ class StrategyConfig:
     strategy: str = field(
         default="auto",
         metadata={
-            "help": "ddp, zero1, zero2, fsdp2_shard_grad_op or fsdp2_full_shard; auto takes it "
-            "from the launcher (a DeepSpeed or FSDP config) or falls back to ddp.",
+            "help": f"{', '.join(STRATEGY_CHOICES[1:])}; auto takes it from the launcher "
+            "(a DeepSpeed or FSDP config) or falls back to ddp.",
             "choices": STRATEGY_CHOICES,
         },
     )
