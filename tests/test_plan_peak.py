@@ -258,6 +258,11 @@ MEASURED = {
     "FT4 ddp": ("minilm", "ddp", 8, 48, {"ranks": 4}, 363_441_708, "after update"),
     "FT4 zero2": ("minilm", "zero2", 8, 40, {"ranks": 4}, 205_865_720, "optimizer step"),
     "FT4 fsdp2": ("minilm", "fsdp2_full_shard", 8, 48, {"ranks": 4}, 145_311_976, "backward"),
+    # GPT-2 124M: torchrun --nproc_per_node 2 recipes/train_lm.py --strategy S --size gpt2
+    # --synthetic --seq_len 128 --micro_batch_size 2 --max_steps 3          (2 x 128 tokens)
+    "G124 ddp": ("gpt2_124m", "ddp", 2, 128, {}, 1_991_041_636, "after update"),
+    "G124 zero2": ("gpt2_124m", "zero2", 2, 128, {}, 1_492_796_432, "optimizer step"),
+    "G124 fsdp2": ("gpt2_124m", "fsdp2_full_shard", 2, 128, {}, 1_071_210_508, "backward"),
     # ZeRO-3, measured at its step 2 (peak_live watches it: step 1 records the module
     # order), so against the later steps' prediction. FT3 = OMP_NUM_THREADS=1 torchrun
     # --nproc_per_node 2 recipes/finetune.py --strategy zero3 --max-steps 3
@@ -291,7 +296,10 @@ def _spec(model: str, tmp_path_factory, lora: int | None = None):
         from dpkit.data import lm as lm_data
         from dpkit.plan.inputs import spec_from_config
 
-        workload = lm_data.LMWorkload(micro_batch_size=8, seq_len=128)
+        if model == "gpt2_124m":
+            workload = lm_data.LMWorkload(size="gpt2", synthetic=True, micro_batch_size=2)
+        else:
+            workload = lm_data.LMWorkload(micro_batch_size=8, seq_len=128)
         return spec_from_config("train_lm", "recipe", lm_data.lm_config(workload))
     for key, value in spec.config.to_dict().items():  # the runs' --dropout 0
         if "dropout" in key and isinstance(value, float):
