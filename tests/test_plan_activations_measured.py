@@ -265,7 +265,9 @@ def test_plan_against_the_2_process_ddp_run(recipe_runs):
     slack = max(BUFFER_TOLERANCE * measured_buffers, BUFFER_SLACK)
     assert abs(predicted["buffers"] - measured_buffers) <= slack, check
     assert "buffers" in check["error_pct"]
-    assert "peak" in check["not_predicted"]  # a CPU run: no number, the reason
+    # The step peak is predicted on a CPU run too, against its peak_live (its accuracy:
+    # tests/test_plan_peak.py, on this same run).
+    assert "peak" not in check["not_predicted"] and check["error_pct"]["peak"] is not None
 
 
 @pytest.mark.parametrize("model_name", sorted(MODELS))
