@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dpkit.bench import launch
+from dpkit.bench.machine import stack_versions
 from dpkit.bench.results import summarize_memory, summarize_steps
 from dpkit.engines import engine_of, get_strategy
 from dpkit.train.output import read_json, read_jsonl
@@ -82,23 +83,6 @@ def trial_dir(settings: TuneSettings, candidate: Candidate) -> Path:
     return settings.output_dir / "trials" / candidate.name
 
 
-TRIAL_LIBRARIES = ("dpkit", "torch", "deepspeed", "accelerate", "transformers")
-"""The packages whose version changes what a trial measures (its kernels, its engine,
-dpkit's own measure)."""
-
-
-def _versions() -> dict[str, str | None]:
-    from importlib.metadata import PackageNotFoundError, version
-
-    found: dict[str, str | None] = {}
-    for name in TRIAL_LIBRARIES:
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            found[name] = None
-    return found
-
-
 def _file_digest(path: Path) -> str | None:
     """The recipe's bytes: an edited script is another trial."""
     try:
@@ -115,7 +99,7 @@ def fingerprint(settings: TuneSettings, candidate: Candidate) -> str:
     key = {
         "recipe": settings.recipe.path.name,
         "recipe_code": _file_digest(settings.recipe.path),
-        "libraries": _versions(),
+        "libraries": stack_versions(),  # what runs a trial: its kernels, engine, measure
         "recipe_args": list(settings.config.recipe_args),
         "nproc": settings.nproc,
         "device": settings.device,
