@@ -263,6 +263,8 @@ MEASURED = {
     "G124 ddp": ("gpt2_124m", "ddp", 2, 128, {}, 1_991_041_636, "after update"),
     "G124 zero2": ("gpt2_124m", "zero2", 2, 128, {}, 1_492_796_432, "optimizer step"),
     "G124 fsdp2": ("gpt2_124m", "fsdp2_full_shard", 2, 128, {}, 1_071_210_508, "backward"),
+    # G124 with --strategy zero3 (step 2: a model over stage3_prefetch_bucket_size)
+    "G124 zero3": ("gpt2_124m", "zero3", 2, 128, {"step": 2}, 2_214_814_232, "backward"),
     # ZeRO-3, measured at its step 2 (peak_live watches it: step 1 records the module
     # order), so against the later steps' prediction. FT3 = OMP_NUM_THREADS=1 torchrun
     # --nproc_per_node 2 recipes/finetune.py --strategy zero3 --max-steps 3

@@ -463,13 +463,15 @@ def zero3_peak_points(view: PeakView) -> list[PeakPoint]:
         flat_gather = gathered
     else:
         gathered = float(parts.get("gathered_params", 0.0))
-        # One coalesced all-gather of up to the prefetch bucket (the loop may pass it by a
-        # parameter); each slice's padding to a world-size multiple (< N elements) is left out.
-        prefetched = min(
-            sharded,
-            float(settings.get("stage3_prefetch_bucket_size", 50_000_000))
-            + spec.largest_layer_params,
-        )
+        # One coalesced all-gather of up to the prefetch bucket alive at a time; each
+        # slice's padding to a world-size multiple (< N elements) is left out. The module
+        # being fetched is all-gathered apart from what is prefetched
+        # (partitioned_param_coordinator.py: fetch_sub_module's __all_gather_params of
+        # params_to_fetch, then of params_to_prefetch), so a model over the bucket holds
+        # one bucket's buffer, not a bucket plus a layer (GPT-2 124M, a 38.6M-element
+        # embedding first: 2112.2 MiB measured at the backward, 2112.2 predicted; a bucket
+        # plus that layer put 2255.0 at the forward).
+        prefetched = min(sharded, float(settings.get("stage3_prefetch_bucket_size", 50_000_000)))
         flat_gather = module_bytes * prefetched
     # The prefetched buffer is alive while the blocks run; the head's own code (an LM's
     # logits and loss) runs after it is freed.
