@@ -49,6 +49,17 @@ class StepTrace:
     """The forward's high-water up to the return of its last repeated block (None: a model
     without repeated blocks): what runs while ZeRO-3's prefetched flat all-gather buffer
     is still alive (its last parameters are the blocks' and what precedes the head)."""
+    grads_before_blocks: float | None = None
+    """The stored gradients when the last repeated block's backward starts (None: no
+    repeated blocks): the parameters used after the blocks (a final norm, an untied head).
+    A tied embedding is not among them: autograd adds the head's contribution to the
+    embedding's before it stores the gradient, at the backward's end, and until then the
+    trace counts that contribution as an operator's output."""
+    after_blocks_high: float | None = None
+    """The backward's high-water after the repeated blocks' backward (None: no repeated
+    blocks), the gradients stored before it left out and those stored in it kept: the
+    embeddings' backward, where a tied embedding's two contributions and their sum are
+    alive at once, beside the position embedding's gradient."""
     batch: float = 0.0
     """The batch's own bytes (token ids, attention mask, labels), alive the whole step."""
     micro_batch: int = 0

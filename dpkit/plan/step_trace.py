@@ -67,6 +67,9 @@ class _Follow:
         self.backward_high = 0
         self.grads_at_backward_high = 0
         self.backward_kept_high = 0
+        self.after_blocks = False  # the first repeated block's backward has ended
+        self.grads_at_blocks_done = 0
+        self.after_blocks_high: int | None = None
 
     def follow(self, tensor: Any) -> bool:
         try:
@@ -111,6 +114,9 @@ class _Follow:
                 self.backward_high = self.held
                 self.grads_at_backward_high = self.grads
             self.backward_kept_high = max(self.backward_kept_high, self.total)
+            if self.after_blocks:  # the gradients stored from then on are kept in it
+                tail = self.total - self.grads_at_blocks_done
+                self.after_blocks_high = max(self.after_blocks_high or 0, tail)
 
 
 def _mode(follow: _Follow) -> Any:
@@ -154,6 +160,7 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
     block_forward = [0.0] * len(blocks)
     block_backward_start: list[float | None] = [None] * len(blocks)
     blocks_high: list[float] = []  # the forward's high-water when the last block returns
+    grads_before_blocks: list[float] = []  # stored when the blocks' backward starts
     handles = []
 
     def enter(module: Any, args: Any) -> None:
@@ -170,16 +177,26 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
             handles.append(module.register_forward_pre_hook(enter))
             handles.append(module.register_forward_hook(leave))
 
+    def blocks_done(grad: Any) -> None:
+        follow.after_blocks = True
+        follow.grads_at_blocks_done = follow.grads
+
     def block_enter(index: int) -> Any:
         def hook(module: Any, args: Any) -> None:
             if follow.phase == "forward":
                 block_forward[index] = float(follow.held)
+                if index == 0:  # its input's gradient: the blocks' backward is over
+                    inputs = [t for t in _tensors(args) if t.requires_grad]
+                    if inputs:
+                        inputs[0].register_hook(blocks_done)
 
         return hook
 
     def block_leave(index: int) -> Any:
         def started(grad: Any) -> None:
             block_backward_start[index] = float(follow.held)
+            if index == len(blocks) - 1:
+                grads_before_blocks.append(float(follow.grads))
 
         def hook(module: Any, args: Any, output: Any) -> None:
             if follow.phase != "forward":
@@ -231,6 +248,10 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
         block_forward=tuple(block_forward),
         block_backward_end=backward_end,
         forward_blocks_high=blocks_high[-1] if blocks_high else None,
+        grads_before_blocks=grads_before_blocks[0] if grads_before_blocks else None,
+        after_blocks_high=None
+        if follow.after_blocks_high is None
+        else float(follow.after_blocks_high),
         batch=batch_bytes,
         micro_batch=micro_batch,
         seq_len=seq_len,

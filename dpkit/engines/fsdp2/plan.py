@@ -170,6 +170,14 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
         )
     )
     root_grads = float(compute * layout.numel(root_trained))
+    # Inside the blocks' backward only the root's parameters used after the blocks have a
+    # stored gradient (a tied embedding's head contribution waits in autograd, in the
+    # trace's activations, until the embedding's backward at the end).
+    root_grads_in_blocks = root_grads
+    if trace.grads_before_blocks is not None and trace.grads_stored:
+        trainable_numel = layout.numel(root_trained) + sum(layout.numel(u) for u in layers_trained)
+        stored = compute * trainable_numel * trace.grads_before_blocks / trace.grads_stored
+        root_grads_in_blocks = min(root_grads, float(stored))
     regathered = 2 * whole(last) if reshard_after_forward else kept_whole
     points.append(
         PeakPoint(
@@ -177,7 +185,7 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
             {
                 **held,
                 "units_whole": regathered,
-                "root_whole_grads": root_grads,
+                "root_whole_grads": root_grads_in_blocks,
                 "activations": trace.backward_high,
             },
         )
@@ -196,9 +204,28 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
                     if accumulating
                     else sum(grad_shard(u) for u in layers_trained[i:]),
                     "units_whole": gathered,
-                    "root_whole_grads": root_grads,
+                    "root_whole_grads": root_grads_in_blocks,
                     "reduce_scatter": reduce_scatter(layers_trained[i]),
                     "activations": backward_end[i],
+                },
+            )
+        )
+    if trace.after_blocks_high is not None:  # the embeddings' backward, after the blocks'
+        points.append(
+            PeakPoint(
+                "backward",
+                {
+                    **held,
+                    "grads": 0.0 if accumulating else sum(grad_shard(u) for u in layers_trained),
+                    "root_whole_grads": root_grads_in_blocks,
+                    # the first unit's reduce-scatter input, kept until the root's
+                    # (FSDPParamGroup.post_backward: reduce_scatter_states, 1 buffer)
+                    "reduce_scatter_input_kept": float(
+                        layout.REDUCE_BYTES * n * layout.shard_numel(layers_trained[0], n)
+                    )
+                    if layers_trained
+                    else 0.0,
+                    "activations_and_root_grads": trace.after_blocks_high,
                 },
             )
         )
