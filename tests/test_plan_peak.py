@@ -277,6 +277,18 @@ MEASURED = {
     "FT3 zero3 checkpointing": ("minilm", "zero3", 8, 32, {"step": 2, "gc": True}, 415_037_284, "forward"),
     # TLM with --strategy zero3 --max_steps 3 --output_dir /tmp/z3p/b
     "TLM zero3": ("train_lm", "zero3", 8, 128, {"step": 2}, 781_952_024, "backward"),
+    # Later steps on tests/test_tune.py's LM: TUNE = torchrun --nproc_per_node 2
+    # recipes/train_lm.py --strategy S --size small --synthetic --seq_len 32
+    # --micro_batch_size 2 --max_steps 3 --memory_probe_steps 2 (step 2; "ga": with
+    # --micro_batch_size 1 --gradient_accumulation_steps 2). A tied embedding: its head
+    # contribution waits in autograd through the blocks' backward (+6.0% / +6.9% when
+    # it was counted as a stored root gradient there).
+    "TUNE fsdp2 shard-grad-op": (
+        "tune_lm", "fsdp2_shard_grad_op", 2, 32, {"step": 2}, 285_947_452, "backward",
+    ),
+    "TUNE fsdp2 shard-grad-op ga": (
+        "tune_lm", "fsdp2_shard_grad_op", 1, 32, {"step": 2, "ga": 2}, 323_049_536, "backward",
+    ),
     # The Trainer's DDP (accelerate wraps without gradient_as_bucket_view, and zero_grad
     # sets the gradients to None): TR = torchrun --nproc_per_node 2
     # recipes/trainer_finetune.py --max_steps 3 --max_train_samples 96 --max_seq_length 64
@@ -310,6 +322,8 @@ def _spec(model: str, tmp_path_factory, lora: int | None = None, dropout: bool =
 
         if model == "gpt2_124m":
             workload = lm_data.LMWorkload(size="gpt2", synthetic=True, micro_batch_size=2)
+        elif model == "tune_lm":
+            workload = lm_data.LMWorkload(synthetic=True, micro_batch_size=2, seq_len=32)
         else:
             workload = lm_data.LMWorkload(micro_batch_size=8, seq_len=128)
         return spec_from_config("train_lm", "recipe", lm_data.lm_config(workload))
