@@ -11,6 +11,8 @@ Every ``TrainingArguments`` flag works (``--per_device_train_batch_size``,
     python recipes/trainer_finetune.py --output_dir runs/trainer
     torchrun --nproc_per_node 8 recipes/trainer_finetune.py --output_dir runs/trainer-ddp
     deepspeed --num_gpus 8 recipes/trainer_finetune.py --deepspeed ds_configs/zero2.json --output_dir runs/trainer-zero2
+    deepspeed --num_gpus 8 recipes/trainer_finetune.py --deepspeed ds_configs/zero3.json --output_dir runs/trainer-zero3
+    deepspeed --num_gpus 8 recipes/trainer_finetune.py --deepspeed ds_configs/zero2_offload.json --output_dir runs/trainer-zero2-offload
     accelerate launch --config_file ds_configs/accelerate/zero2.yaml --num_processes 8 recipes/trainer_finetune.py --output_dir runs/trainer-zero2
     dpkit plan --against runs/trainer-zero2
 
@@ -134,12 +136,14 @@ def main() -> None:
     if example.zero_settings == "dpkit":
         shapes = models.meta_classifier(model_path, **labels)
         training["deepspeed"] = deepspeed_config(shapes, training["deepspeed"])
+    if example.cpu_arguments:
+        training.update(device_arguments(training["deepspeed"]))
+    # Before the model: under ZeRO-3 the arguments make from_pretrained load it
+    # partitioned, under deepspeed.zero.Init (transformers' HfDeepSpeedConfig).
+    args = TrainingArguments(**training)
     transformers.set_seed(training["seed"])
     # from_pretrained, with the load report's table one line when all it says is a new head
     model = models.load_pretrained(AutoModelForSequenceClassification, model_path, **labels)
-    if example.cpu_arguments:
-        training.update(device_arguments())
-    args = TrainingArguments(**training)
 
     tokenized = splits.map(
         lambda batch: tokenizer(batch["text"], truncation=True, max_length=example.max_seq_length),

@@ -1,8 +1,9 @@
 """dpkit for the Transformers ``Trainer``: the per-rank memory report, ZeRO settings sized to the model, a run check.
 
 One line gives any ``Trainer`` (DDP under ``torchrun``/``accelerate launch``, DeepSpeed
-ZeRO-1/2 through ``TrainingArguments(deepspeed=...)``) dpkit's measured per-rank
-memory report::
+ZeRO-1/2/3 and ZeRO-2 offload through ``TrainingArguments(deepspeed=...)``) dpkit's
+measured per-rank memory report (under ZeRO-3, create the ``TrainingArguments`` before
+``from_pretrained``: the model then loads partitioned)::
 
     from dpkit.integrations.transformers import (
         MemoryReportCallback, deepspeed_config, device_arguments)
@@ -31,10 +32,11 @@ memory report::
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +76,7 @@ REPORT_FILE = "memory_report.json"
 EVAL_PREFIXES = ("eval_", "test_")
 
 
-def device_arguments() -> dict[str, Any]:
+def device_arguments(deepspeed: str | Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``TrainingArguments`` a run on this machine needs beyond the Trainer's defaults.
 
     On a machine without CUDA: ``use_cpu=True``, and under a launcher of several
@@ -87,6 +89,13 @@ def device_arguments() -> dict[str, Any]:
     Call it before ``TrainingArguments``: on CPU it also keeps DeepSpeed from building
     its shared-memory all-reduce op, which training never uses and whose 66 MB
     ``/dev/shm`` segment per rank DeepSpeed never removes.
+
+    Args:
+        deepspeed: the DeepSpeed config the run gives ``TrainingArguments(deepspeed=...)``
+            (None: none). On CPU under a launcher of several processes, a ZeRO-3 config
+            starts DeepSpeed's comm here (gloo): ``from_pretrained`` builds the model
+            under ``deepspeed.zero.Init``, which reads the world size from it, and on CPU
+            the Trainer's arguments start torch's group only.
     """
     if torch.cuda.is_available():
         # Here, before TrainingArguments starts the group: NCCL refuses two ranks on one
@@ -96,6 +105,8 @@ def device_arguments() -> dict[str, Any]:
         return {}
     for engine in ENGINES:
         engine.before_process_group(on_cuda=False)
+    if deepspeed is not None:
+        _config_file_engine().before_trainer_arguments(deepspeed, on_cuda=False)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return {"use_cpu": True, "ddp_backend": "gloo"}
     return {"use_cpu": True}  # one process: a backend would make accelerate expect a group
@@ -116,17 +127,22 @@ def deepspeed_config(
     is kept. Left alone, DeepSpeed allocates 5e8-element buckets (1.9 GiB each in fp32)
     and the Trainer's ``"auto"`` gives hidden_size^2, which for small and mid-size models
     means many small, slow reductions. The Trainer fills the rest (:data:`dpkit.engines.deepspeed.trainer.TRAINER_FILLS`).
+    Under ``offload_optimizer``, ``zero_force_ds_cpu_optimizer`` left out becomes false:
+    the Trainer's own optimizer steps the host partitions as built (true: accelerate
+    swaps in DeepSpeed's CPU Adam, in L2 mode for anything but a torch AdamW).
 
     Args:
-        model: the model to train (a ``torch.nn.Module``, or a transformers config).
-        config: ``"zero1"``/``"zero2"`` (dpkit's shipped configs), a JSON path or a dict;
+        model: the model to train (a ``torch.nn.Module`` (the meta device is enough), or a
+            transformers config).
+        config: ``"zero1"``, ``"zero2"``, ``"zero2_offload"``, ``"zero3"`` (dpkit's shipped
+            configs), a JSON path or a dict;
             None: the config ``accelerate launch`` was given
             (``ACCELERATE_DEEPSPEED_CONFIG_FILE``), or None when there is none (no
             DeepSpeed, or accelerate's own plugin settings: returned untouched as None).
         world_size: data-parallel ranks; None: the launcher's ``WORLD_SIZE`` (1 without one).
 
     Raises:
-        UsageError: an unreadable config, a ZeRO stage other than 1 or 2, offload that
+        UsageError: an unreadable config, a ZeRO stage other than 1, 2 or 3, offload that
             DeepSpeed would not run as written, or an ``"auto"`` neither dpkit nor the
             Trainer fills.
     """
@@ -209,9 +225,9 @@ def _describe_deepspeed(args: Any) -> str:
 
 def strategy_running(model: torch.nn.Module, optimizer: Any) -> Strategy | None:
     """The strategy the prepared model and optimizer run, as the engines recognise them
-    (:meth:`~dpkit.engines.base.Engine.recognise`: ZeRO-1/2 from DeepSpeed's optimizer,
-    DDP from a DDP wrapper or a world of one); None for anything else (ZeRO-3, the
-    Trainer's FSDP, unconnected copies)."""
+    (:meth:`~dpkit.engines.base.Engine.recognise`: ZeRO-1/2/3 and ZeRO-2 offload from
+    DeepSpeed's optimizer, DDP from a DDP wrapper or a world of one); None for anything
+    else (the Trainer's FSDP, unconnected copies)."""
     for engine in ENGINES:
         strategy = engine.recognise(model, optimizer)
         if strategy is not None:
@@ -287,6 +303,26 @@ def _is_main() -> bool:
     return PartialState().is_main_process
 
 
+@contextlib.contextmanager
+def _models_built_whole() -> Iterator[None]:
+    """Inside: transformers builds models whole. Under ZeRO-3 the Trainer's arguments make
+    every ``from_config`` a ``deepspeed.zero.Init`` build (``HfDeepSpeedConfig``, held by
+    a module-level weak reference); the plan check traces a meta-device copy of the model,
+    which zero.Init cannot partition (measured: ``Cannot copy out of meta tensor``)."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    held = ref() if ref is not None else None
+    if held is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(held)
+
+
 class MemoryReportCallback(TrainerCallback):
     """dpkit's per-rank memory report for any Transformers ``Trainer``.
 
@@ -347,6 +383,10 @@ class MemoryReportCallback(TrainerCallback):
         script following the docs has no ``run_and_exit`` around it."""
         with refuse_and_exit():
             check_trainer_run(args)
+            if _asked_for_deepspeed(args):
+                refusal = _config_file_engine().trainer_refusal(model=kwargs.get("model"))
+                if refusal:
+                    raise UsageError(refusal)
         self._trainer = _calling_trainer(self)
         _log_first(self, self._trainer)
 
@@ -373,11 +413,11 @@ class MemoryReportCallback(TrainerCallback):
         trainer = self._trainer or _calling_trainer(self)
         wrapped = getattr(trainer, "model_wrapped", None) or model
         strategy = strategy_running(wrapped, optimizer)
-        if strategy is None:  # ZeRO-3, FSDP...: the run is fine, dpkit cannot measure it
+        if strategy is None:  # FSDP...: the run is fine, dpkit cannot measure it
             if _is_main():
                 logger.warning(
                     "dpkit: MemoryReportCallback: no memory report for this run: it is neither "
-                    "DDP nor DeepSpeed ZeRO-1/2 (optimizer %s, model %s)",
+                    "DDP nor DeepSpeed ZeRO (optimizer %s, model %s)",
                     type(unwrap_optimizer(optimizer)).__name__,
                     type(wrapped).__name__,
                 )
@@ -388,6 +428,10 @@ class MemoryReportCallback(TrainerCallback):
                     f"deepspeed={_describe_deepspeed(args)}: the run asked for DeepSpeed but "
                     f"trains with {type(unwrap_optimizer(optimizer)).__name__}"
                 )
+        refusal = engine_of(strategy).trainer_refusal(optimizer=optimizer)
+        if refusal:
+            with refuse_and_exit():
+                raise UsageError(refusal)
         name = optimizer_name(optimizer)
         offload = engine_of(strategy).memory.offload_in_effect(optimizer)
         self.tracker = MemoryTracker(
@@ -474,7 +518,8 @@ class MemoryReportCallback(TrainerCallback):
         from dpkit.plan.check import check_run, format_check
 
         try:
-            return format_check(check_run(self.report_path.parent))
+            with _models_built_whole():
+                return format_check(check_run(self.report_path.parent))
         except UsageError as err:
             return f"dpkit plan --against: not available for this run ({err})"
 

@@ -237,7 +237,7 @@ def spec_from_model(
         config=config if config is not None else getattr(model, "config", None),
         largest_layer_params=largest,
         gated_mlp=any("gate_proj" in n or "gate_up_proj" in n for n, _ in model.named_parameters()),
-        param_groups=tuple(tuple(p.numel() for p in group) for group in param_groups),
+        param_groups=tuple(tuple(whole_numel(p) for p in group) for group in param_groups),
         param_order=tuple(where[id(p)] for p in params if id(p) in where),
         param_shapes=tuple(whole_shape(p) for p in params),
         # init_empty_weights leaves buffers real, so their sizes are known on meta too.

@@ -299,6 +299,17 @@ class DeepSpeedEngine(Engine):
 
         return trainer_config(sizes, config, world_size=world_size, on_cuda=on_cuda)
 
+    def before_trainer_arguments(self, config: Any, *, on_cuda: bool) -> None:
+        if config is not None and not on_cuda and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            from dpkit.engines.deepspeed.trainer import start_comm_for_zero3
+
+            start_comm_for_zero3(config)
+
+    def trainer_refusal(self, *, model: Any = None, optimizer: Any = None) -> str | None:
+        from dpkit.engines.deepspeed.trainer import trainer_refusal
+
+        return trainer_refusal(model=model, optimizer=optimizer)
+
     def tuning_variants(
         self,
         strategy: Strategy,
@@ -389,13 +400,13 @@ class DeepSpeedEngine(Engine):
         return Prepared(f"{type(engine).__name__}+{inner}", zero_stage)
 
     def recognise(self, model: torch.nn.Module, optimizer: Any) -> Any:
-        from dpkit.engines.deepspeed.memory import zero_optimizer
+        from dpkit.engines.deepspeed.memory import stage3_optimizer, zero_optimizer
 
+        if stage3_optimizer(optimizer) is not None:
+            return self.runnable(zero_stage=3)
         zero = zero_optimizer(optimizer)
         if zero is None:
             return None
-        if type(zero).__name__ == "DeepSpeedZeroOptimizer_Stage3":
-            return self.runnable(zero_stage=3)
         stage = 2 if getattr(zero, "partition_gradients", False) else 1
         if stage == 2 and getattr(zero, "cpu_offload", False):
             return ZERO2_OFFLOAD

@@ -34,6 +34,9 @@ TRAINER_FILLS = (
     "fp16.enabled",
     "optimizer.params.",
     "scheduler.params.",
+    # ZeRO-3's, from the model's hidden size (HfTrainerDeepSpeedConfig.trainer_config_finalize).
+    "zero_optimization.stage3_prefetch_bucket_size",
+    "zero_optimization.stage3_param_persistence_threshold",
 )
 
 
@@ -66,14 +69,6 @@ def trainer_config(
     ``world_size`` ranks, for a model of ``sizes`` (:class:`dpkit.models.ModelSizes`)."""
     resolved, where = _read_config(config)
     stage = zero_stage_of(resolved, where)
-    if stage == 3:
-        # The Trainer builds a ZeRO-3 model under zero.Init only when TrainingArguments
-        # exist before from_pretrained; dpkit's callback has not been checked on it.
-        raise UsageError(
-            f"deepspeed config {where!r}: zero_optimization.stage=3: dpkit's Trainer "
-            "integration runs ZeRO stages 1 and 2 (ZeRO-3 runs in dpkit's recipes and "
-            "run.prepare)"
-        )
     offload = optimizer_offload(resolved, where)
     settings = zero_memory_settings(
         sizes.num_params,
@@ -85,6 +80,13 @@ def trainer_config(
         offload=offload is not None,
     )
     fill_zero_settings(resolved["zero_optimization"], settings)
+    if offload is not None and resolved.get("zero_force_ds_cpu_optimizer", "auto") == "auto":
+        # Left true (DeepSpeed's default), accelerate replaces the Trainer's optimizer with
+        # a new DeepSpeedCPUAdam, in L2 mode for anything but a torch AdamW
+        # (accelerate/utils/deepspeed.py, map_pytorch_optim_to_deepspeed): a silent change
+        # of optimizer and weight decay. False: the Trainer's own optimizer steps the
+        # host partitions, as built (as the shipped zero2_offload.json says).
+        resolved["zero_force_ds_cpu_optimizer"] = False
     leftover = [
         path
         for path, value in config_leaves(resolved)
@@ -99,3 +101,63 @@ def trainer_config(
     # build and leak a shared-memory all-reduce op that training never uses.
     skip_deepspeed_cpu_shm_op()
     return resolved
+
+
+def trainer_refusal(model: Any = None, optimizer: Any = None) -> str | None:
+    """What a Trainer run under DeepSpeed must not train with, as one line; None: nothing.
+
+    ``model`` (the one handed to the ``Trainer``, before it is prepared): under ZeRO-3 a
+    model built before ``TrainingArguments(deepspeed=...)`` was loaded whole on every rank
+    (transformers builds it under ``deepspeed.zero.Init``, partitioned as it loads, only
+    once the arguments exist: ``HfDeepSpeedConfig``); DeepSpeed would partition it only
+    at ``prepare``, after every rank held it whole.
+
+    ``optimizer`` (prepared): DeepSpeed's CPU Adam in L2 mode with weight decay, which
+    accelerate builds in place of any Trainer optimizer but a torch ``AdamW`` when the
+    config offloads the optimizer with ``zero_force_ds_cpu_optimizer`` true: the decay
+    is added to the gradient, not decoupled (docs/offload.md, the optimizer trap).
+    """
+    if model is not None:
+        from transformers.integrations import is_deepspeed_zero3_enabled
+
+        whole = [name for name, p in model.named_parameters() if getattr(p, "ds_id", None) is None]
+        if is_deepspeed_zero3_enabled() and whole:
+            return (
+                f"ZeRO-3: the Trainer's model was loaded whole on every rank ({whole[0]} is "
+                "not partitioned): create TrainingArguments(deepspeed=...) before "
+                "from_pretrained, so that it loads partitioned under deepspeed.zero.Init"
+            )
+    if optimizer is not None:
+        from dpkit.engines.deepspeed.memory import zero_optimizer
+
+        inner = getattr(zero_optimizer(optimizer), "optimizer", None)
+        decays = [g.get("weight_decay", 0) for g in getattr(inner, "param_groups", [])]
+        l2_mode = getattr(inner, "adam_w_mode", True) is False
+        if type(inner).__name__ == "DeepSpeedCPUAdam" and l2_mode and any(decays):
+            return (
+                f"offload_optimizer: the Trainer's optimizer runs as DeepSpeedCPUAdam in L2 "
+                f"mode (adamw_mode=False) with weight_decay={max(decays)}: the decay is not "
+                "decoupled as in AdamW; set zero_force_ds_cpu_optimizer: false in the "
+                "DeepSpeed config (the Trainer's own optimizer then runs as built), or "
+                "optim='adamw_torch'"
+            )
+    return None
+
+
+def start_comm_for_zero3(config: str | Mapping[str, Any]) -> bool:
+    """Start DeepSpeed's comm (gloo) now when ``config`` is ZeRO-3; whether it did.
+
+    Under ZeRO-3 ``from_pretrained`` builds the model under ``deepspeed.zero.Init``, which
+    reads the world size from DeepSpeed's comm. On CUDA the Trainer's arguments start it
+    (accelerate's ``PartialState``, DeepSpeed path); on CPU, ``use_cpu=True`` starts
+    torch's group only, and zero.Init sizes the batch for one rank (measured: DeepSpeed's
+    ``train_batch_size ... 16 != 8 * 1 * 1`` inside ``from_pretrained``). Started here,
+    before ``TrainingArguments``, accelerate takes the group as it finds it.
+    """
+    resolved, where = _read_config(config)
+    if zero_stage_of(resolved, where) != 3:
+        return False
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo", auto_mpi_discovery=False)
+    return True

@@ -117,6 +117,15 @@ class Settings:
         ``sizes``; None for a backend that :attr:`reads_config_file` is False for."""
         return None
 
+    def before_trainer_arguments(self, config: Any, *, on_cuda: bool) -> None:
+        """What a Transformers ``Trainer`` run with this backend's ``config`` (what goes to
+        ``TrainingArguments``) needs started before the arguments are built; nothing."""
+
+    def trainer_refusal(self, *, model: Any = None, optimizer: Any = None) -> str | None:
+        """What a Transformers ``Trainer`` run must not train with under this backend, as
+        one line (the model handed to the Trainer, or the optimizer once prepared); None."""
+        return None
+
     def quiet_logs(self, is_main_process: bool) -> None:
         """Quiet the backend's own logger as dpkit's is (its lines from the main process,
         errors only elsewhere); called when a run starts, before the backend is known."""
