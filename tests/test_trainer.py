@@ -473,11 +473,6 @@ def test_deepspeed_config_leaves_every_auto_the_trainer_fills():
     ("config", "message"),
     [
         (
-            {"zero_optimization": {"stage": 3}},
-            "deepspeed config '<dict>': zero_optimization.stage=3: dpkit's Trainer "
-            "integration runs ZeRO stages 1 and 2",
-        ),
-        (
             {"zero_optimization": {"stage": 2}, "steps_per_print": "auto"},
             "deepspeed config '<dict>': steps_per_print=\"auto\": neither dpkit nor the "
             "Trainer fills it",
