@@ -36,9 +36,10 @@ CATEGORIES = MODEL_STATES
 """The model-state rows of the check, one by one (their sum is ``total``)."""
 OTHER_ROWS = ("buffers", "activations")
 """The rows after ``total``: communication buffers, and the bytes saved for backward."""
-HOST_ROWS = ("grads", "optimizer", "master", "buffers")
+HOST_ROWS = ("params", "grads", "optimizer", "master", "buffers")
 """Under offload, the categories the backend keeps in host memory: rows ``host <c>`` and
-``host total`` after the device's (the rows above are then the device's)."""
+``host total`` after the device's (the rows above are then the device's). ``params``:
+FSDP2's offload keeps the parameter shards there too."""
 MIB = 2**20
 
 
