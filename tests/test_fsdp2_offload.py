@@ -156,6 +156,20 @@ def test_offload_plan_puts_frozen_shards_on_the_host_without_gradients_or_state(
     }
 
 
+def test_a_bare_count_plans_offload_with_the_whole_model_gathered():
+    """Without shapes the plan cannot say which layers are whole; offload keeps no model
+    state on the device, so a floor would read as nothing: the whole model in the compute
+    dtype is counted (bf16: 2 bytes x 1e9), an upper bound, as shard-grad-op's."""
+    from dpkit.plan import estimate
+
+    spec = ModelSpec(name="1B", source="count", num_params=10**9)
+    inputs = PlanInputs(model=spec, gpus_per_node=8, precision="bf16", seq_len=8)
+    row = estimate.estimate(inputs, OFFLOAD, 1, None, estimate.buffer_settings(spec, 8))
+    assert row.buffer_parts == {"fsdp2_whole_params": 2 * 10**9}
+    assert row.params == row.grads == row.optimizer == 0
+    assert row.host == {"params": 4e9 / 8, "grads": 4e9 / 8, "optimizer": 8e9 / 8}
+
+
 def test_offload_is_recommended_after_every_row_that_keeps_its_state_on_the_device():
     from dpkit.plan.recommend import recommendation_order
 

@@ -95,7 +95,11 @@ def paper_grad_bytes(num_params: float, world_size: int) -> float:
 
 
 def buffer_bytes(
-    reshard_after_forward: bool, spec: ModelSpec, world_size: int, precision: str
+    reshard_after_forward: bool,
+    spec: ModelSpec,
+    world_size: int,
+    precision: str,
+    offload: bool = False,
 ) -> dict[str, float]:
     """FSDP2's whole parameters and gradients per GPU at the start of backward, by name
     (:func:`dpkit.engines.fsdp2.layout.transient_bytes`), in the compute dtype (bf16/fp16
@@ -106,11 +110,13 @@ def buffer_bytes(
     about two layers'. Both hold the root's whole gradients through backward and one
     unit's whole gradients with its fp32 reduce-scatter input. A bare ``--params`` has no
     layout: shard-grad-op's whole parameters are then Psi in the compute dtype, and
-    nothing else is counted.
+    nothing else is counted. Offload holds no model state on the device, so a bare count
+    would plan it at nothing: it counts the whole model gathered (shard-grad-op's bound)
+    rather than recommend it on a floor of zero.
     """
     compute_bytes = dtype_bytes(precision)
     if not spec.param_shapes:
-        if reshard_after_forward:
+        if reshard_after_forward and not offload:
             return {}
         return {"fsdp2_whole_params": float(compute_bytes * (spec.num_params + spec.frozen_params))}
     parts = layout.transient_bytes(
@@ -284,8 +290,8 @@ def why(strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
     n = inputs.world_size
     if strategy.offload:
         return (
-            f"{strategy.label} keeps the sharded parameters, gradients and optimizer state "
-            f"({n} ways) in host memory (torch CPUOffloadPolicy): the device holds only the "
+            f"{strategy.label} keeps the parameters, gradients and optimizer state, sharded "
+            f"over {n} rank(s), in host memory (torch CPUOffloadPolicy): the device holds only the "
             "layers being computed, at the cost of copying every shard to the device and "
             "every gradient back each step and of an optimizer step on the CPU."
         )
@@ -309,6 +315,11 @@ def row_note(strategy: Strategy, row: PlanRowView) -> str:
 
     parts = row.buffer_parts
     if "fsdp2_reduce_scatter" not in parts:
+        if strategy.offload:
+            return (
+                f"  {row.label}: a bare --params has no layout: the whole model counted as "
+                "gathered at once (an upper bound), whole gradients not counted"
+            )
         return f"  {row.label}: a bare --params has no layout: " + (
             "whole gradients not counted"
             if "fsdp2_whole_params" in parts
@@ -357,7 +368,9 @@ class FSDP2Plan(PlanArithmetic):
         settings: Mapping[str, Any],
         grads: float,
     ) -> dict[str, float]:
-        return buffer_bytes(strategy.reshard_after_forward, spec, world_size, precision)
+        return buffer_bytes(
+            strategy.reshard_after_forward, spec, world_size, precision, strategy.offload
+        )
 
     def host_bytes(
         self, strategy: Strategy, inputs: PlanInputs, optimizer: str
