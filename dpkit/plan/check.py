@@ -36,9 +36,10 @@ CATEGORIES = MODEL_STATES
 """The model-state rows of the check, one by one (their sum is ``total``)."""
 OTHER_ROWS = ("buffers", "activations")
 """The rows after ``total``: communication buffers, and the bytes saved for backward."""
-HOST_ROWS = ("grads", "optimizer", "master", "buffers")
+HOST_ROWS = ("params", "grads", "optimizer", "master", "buffers")
 """Under offload, the categories the backend keeps in host memory: rows ``host <c>`` and
-``host total`` after the device's (the rows above are then the device's)."""
+``host total`` after the device's (the rows above are then the device's). ``params``
+(FSDP2's offload keeps the parameter shards there too) only where planned or measured."""
 MIB = 2**20
 
 
@@ -327,6 +328,8 @@ def check_run(run_dir: str | Path) -> PlanCheck:
     }
     if any(row.host.values()) or any(measured_host.values()):
         for category in HOST_ROWS:
+            if category == "params" and not row.host.get("params") and not measured_host["params"]:
+                continue  # ZeRO-2 offload keeps its parameters on the device
             predicted[f"host {category}"] = float(row.host.get(category, 0.0))
             measured[f"host {category}"] = measured_host[category]
         predicted["host total"] = sum(float(row.host.get(c, 0.0)) for c in HOST_ROWS)

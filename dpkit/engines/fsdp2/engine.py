@@ -42,6 +42,12 @@ class FSDP2Settings(EngineSettings):
     ``fsdp_transformer_layer_cls_to_wrap``)."""
     asked_by: str = ""
     """What asked for FSDP2, for messages (the flag as typed, or the launcher)."""
+    offload: bool = False
+    """torch's ``CPUOffloadPolicy`` on every unit (``fsdp2_full_shard_offload``)."""
+
+    def run_info(self) -> dict[str, Any]:
+        # The optimizer steps where its shards live: in host memory under offload.
+        return {"offload_optimizer": "cpu" if self.offload else None}
 
 
 def _asked_by(source: str) -> str:
@@ -54,7 +60,6 @@ def _asked_by(source: str) -> str:
 # FSDP settings of an accelerate YAML that dpkit does not apply, with the value that
 # means "off" and what to use instead; anything else is refused rather than dropped.
 _FSDP_SETTINGS_OFF = {
-    "FSDP_OFFLOAD_PARAMS": ("fsdp_offload_params", "false", ""),
     "FSDP_ACTIVATION_CHECKPOINTING": (
         "fsdp_activation_checkpointing", "false", "; use --gradient-checkpointing"
     ),
@@ -62,10 +67,10 @@ _FSDP_SETTINGS_OFF = {
 }  # fmt: skip
 
 
-def _fsdp_launch(env: Mapping[str, str]) -> bool | None:
-    """``reshard_after_forward`` of an accelerate FSDP launch (None: not one); the FSDP
-    settings dpkit does not apply (offload, activation checkpointing, a size-based wrap
-    policy, ignored modules) and FSDP1 are refused."""
+def _fsdp_launch(env: Mapping[str, str]) -> tuple[bool, bool] | None:
+    """``reshard_after_forward`` and ``fsdp_offload_params`` of an accelerate FSDP launch
+    (None: not one); the FSDP settings dpkit does not apply (activation checkpointing, a
+    size-based wrap policy, ignored modules) and FSDP1 are refused."""
     if env.get("ACCELERATE_USE_FSDP", "false").lower() != "true":
         return None
     version = env.get("FSDP_VERSION", "1")
@@ -97,7 +102,17 @@ def _fsdp_launch(env: Mapping[str, str]) -> bool | None:
         raise UsageError(
             f"accelerate config fsdp_reshard_after_forward={reshard}: one of true, false"
         )
-    return by_value[reshard]
+    # accelerate writes the YAML's fsdp_offload_params as "true"/"false" (utils/launch.py).
+    offload = env.get("FSDP_OFFLOAD_PARAMS", "false").lower()
+    if offload not in ("true", "false"):
+        raise UsageError(f"accelerate config fsdp_offload_params={offload}: one of true, false")
+    if offload == "true" and not by_value[reshard]:
+        raise UsageError(
+            "accelerate config fsdp_offload_params=true with fsdp_reshard_after_forward="
+            f"{reshard}: dpkit offloads under full-shard only; set fsdp_reshard_after_forward: "
+            "true (ds_configs/accelerate/fsdp2_full_shard_offload.yaml)"
+        )
+    return by_value[reshard], offload == "true"
 
 
 FSDP2_SHARD_GRAD_OP = Strategy(
@@ -115,6 +130,18 @@ FSDP2_FULL_SHARD = Strategy(
     reshard_after_forward=True,
     summary="torch FSDP2: parameters, gradients and optimizer state sharded",
 )
+FSDP2_FULL_SHARD_OFFLOAD = Strategy(
+    "fsdp2_full_shard_offload",
+    "FSDP2 full-shard offload",
+    "fsdp2",
+    3,
+    offload=True,
+    reshard_after_forward=True,
+    # dpkit bench's bare FSDP2 twin (dpkit/bench/bare_fsdp2.py) does not offload yet.
+    benched=False,
+    summary="FSDP2 full-shard with sharded parameters, gradients and optimizer state in host "
+    "memory (torch CPUOffloadPolicy); the optimizer steps on the CPU",
+)
 
 
 class FSDP2Engine(Engine):
@@ -123,17 +150,22 @@ class FSDP2Engine(Engine):
 
     name = "fsdp2"
     label = "torch FSDP2"
-    strategies = (FSDP2_SHARD_GRAD_OP, FSDP2_FULL_SHARD)
+    strategies = (FSDP2_SHARD_GRAD_OP, FSDP2_FULL_SHARD, FSDP2_FULL_SHARD_OFFLOAD)
     needs_process_group = True
 
     def launched(self, args: FlagsView, env: Mapping[str, str]) -> Launch | None:
         """An accelerate FSDP launch (``fsdp_version: 2``): its mode, and the layer classes
         its YAML names. dpkit applies ``fully_shard`` itself (accelerate's own path runs
         unconnected copies on CPU)."""
-        reshard = _fsdp_launch(env)
-        if reshard is None:
+        launch = _fsdp_launch(env)
+        if launch is None:
             return None
-        strategy = self.runnable(reshard_after_forward=reshard)
+        reshard, offload = launch
+        strategy = next(
+            s
+            for s in self.strategies
+            if (s.reshard_after_forward, s.offload) == (reshard, offload) and s.runnable
+        )
         source = f"accelerate launch (FSDP2, {strategy.name})"
         if args.deepspeed is not None:
             raise UsageError(
@@ -171,6 +203,7 @@ class FSDP2Engine(Engine):
             layer_classes=layers,
             layer_override=request.fsdp_layer_override,
             asked_by=asked_by,
+            offload=strategy.offload,
         )
 
     def accelerator_options(self, strategy: Strategy, resolution: ResolutionView) -> dict[str, Any]:
@@ -225,6 +258,7 @@ class FSDP2Engine(Engine):
             model,
             layer_class_names=classes,
             reshard_after_forward=run.resolution.strategy.reshard_after_forward,
+            offload=settings.offload,
             precision=run.resolution.precision,
             device_type=run.accelerator.device.type,
         )

@@ -6,6 +6,14 @@ gradients that exist only inside a forward/backward (a unit's all-gather output,
 reduce-scatter input) are communication buffers, beside DDP's and ZeRO's buckets. The
 module's attributes point at the whole parameters during the compute, so the walk goes
 through FSDP2's records (``FSDPParam``), not ``module.parameters()``.
+
+Under ``CPUOffloadPolicy`` (``fsdp2_full_shard_offload``) the shards live in host memory:
+each record's ``offload_to_cpu`` says so (``_fsdp_param.py``: the padded shard is moved
+``.cpu()`` when built, each sharded gradient is copied ``.to("cpu")`` after its
+reduce-scatter in ``_fsdp_collectives.py``), and an optimizer built over the shards keeps
+its state beside them. Those claims are placed ``host``; the whole parameters and
+gradients of the unit computing stay on the device. On a CPU run every tensor says
+``cpu`` either way, so the placement comes from the records, not from ``tensor.device``.
 """
 
 from __future__ import annotations
@@ -78,6 +86,11 @@ def install_probes(probes: StepProbesView, model: torch.nn.Module) -> None:
             activations.add_handle(module.register_forward_pre_hook(activations.note_params))
 
 
+def _placement(on_host: bool) -> str:
+    """The ledger's placement of a claim (:meth:`dpkit.core.walk.Ledger.claim`)."""
+    return "host" if on_host else "device"
+
+
 class FSDP2Memory(MeasuredMemory):
     """FSDP2's measured memory: each parameter's local shard, its gradient and optimizer state, and the whole parameters a unit holds while it computes."""
 
@@ -90,7 +103,9 @@ class FSDP2Memory(MeasuredMemory):
 
             return DDPMemory().walk(ledger, model, optimizer)
         shards = [getattr(r, "sharded_param", None) for r in records]
-        ledger.claim_all(shards, "params", "parameter shards")
+        offloaded = [bool(getattr(r, "offload_to_cpu", False)) for r in records]
+        for shard, on_host in zip(shards, offloaded, strict=True):
+            ledger.claim(shard, "params", "parameter shards", _placement(on_host))
         for record in records:
             ledger.claim_all(
                 getattr(record, "all_gather_outputs", None) or [],
@@ -98,8 +113,12 @@ class FSDP2Memory(MeasuredMemory):
                 "whole parameters (FSDP2 all-gather output)",
             )
         torch_opt = inner_torch_optimizer(optimizer)
-        claim_optimizer_state(ledger, torch_opt)
-        ledger.claim_all((getattr(p, "grad", None) for p in shards), "grads", "gradient shards")
+        # The optimizer's state is built beside the parameters it updates: in host memory
+        # when the shards are (one policy for every unit: dpkit's shard_model).
+        claim_optimizer_state(ledger, torch_opt, _placement(any(offloaded)))
+        for shard, on_host in zip(shards, offloaded, strict=True):
+            grad = getattr(shard, "grad", None)
+            ledger.claim(grad, "grads", "gradient shards", _placement(on_host))
         whole = (getattr(r, "_unsharded_param", None) for r in records)
         ledger.claim_all(
             (getattr(p, "grad", None) for p in whole),

@@ -7,6 +7,12 @@ per parameter, over N: ZeRO-3's sharding even in shard-grad-op mode, which diffe
 in how long parameters stay whole. With the parameters' shapes known the figure is exact
 for the worst rank (each parameter's dim 0 padded to a multiple of N); from a bare count
 it is Psi/N. Pure arithmetic: no torch.
+
+Full-shard offload (torch's ``CPUOffloadPolicy``) moves those shards, parameters,
+gradients and the optimizer state built over them, to host memory: the device holds none
+of them between steps, only what the compute needs whole (the same buffers as
+full-shard's), and the host holds the 4 + 4 + K bytes per parameter over N
+(:func:`host_bytes`).
 """
 
 from __future__ import annotations
@@ -27,25 +33,60 @@ if TYPE_CHECKING:
     from dpkit.engines.roles.views import PlanRowView
 
 
+def shard_numel(
+    num_params: float, world_size: int, shapes: Sequence[Sequence[int]] | None
+) -> float:
+    """Elements of the worst rank's shards: each parameter's ceil(d0/N) rows on rank 0
+    (:mod:`dpkit.engines.fsdp2.layout`), or Psi/N from a count."""
+    if not shapes:
+        return num_params / world_size
+    if layout.numel(shapes) != num_params:
+        raise ValueError(
+            f"param_shapes hold {layout.numel(shapes)} elements, num_params is {num_params:.0f}"
+        )
+    return float(layout.shard_numel(shapes, world_size))
+
+
 def model_state_bytes(
-    num_params: float, world_size: int, optimizer: str, shapes: Sequence[Sequence[int]] | None
+    num_params: float,
+    world_size: int,
+    optimizer: str,
+    shapes: Sequence[Sequence[int]] | None,
+    offload: bool = False,
 ) -> ModelStateBytes:
-    """fp32 parameters, gradients and optimizer state: each parameter's ceil(d0/N) rows on
-    rank 0 (:mod:`dpkit.engines.fsdp2.layout`), or Psi/N from a count."""
-    if shapes:
-        if layout.numel(shapes) != num_params:
-            raise ValueError(
-                f"param_shapes hold {layout.numel(shapes)} elements, num_params is {num_params:.0f}"
-            )
-        per_rank = float(layout.shard_numel(shapes, world_size))
-    else:
-        per_rank = num_params / world_size
-    return ModelStateBytes(
+    """fp32 parameters, gradients and optimizer state, sharded (:func:`shard_numel`); on
+    the device, or all in host memory under ``offload`` (``offloaded_to_cpu``)."""
+    per_rank = shard_numel(num_params, world_size, shapes)
+    states = ModelStateBytes(
         params=4 * per_rank,
         grads=4 * per_rank,
         optimizer=OPTIMIZER_STATE_BYTES[optimizer] * per_rank,
         master=0.0,
     )
+    if offload:
+        return ModelStateBytes(0.0, 0.0, 0.0, 0.0, offloaded_to_cpu=states.total)
+    return states
+
+
+def host_bytes(offload: bool, inputs: PlanInputs, optimizer: str) -> dict[str, float]:
+    """Full-shard offload's host memory per rank, by category: every parameter's shard in
+    fp32, frozen ones too (``_fsdp_param.py``, ``_init_sharded_param``: the padded shard is
+    moved ``.cpu()``), the trainable ones' gradient shards in fp32 (the reduce-scatter
+    output copied ``.to("cpu")``, ``_fsdp_collectives.py``; fp32 under bf16 too, the
+    reduce dtype being fp32), and the optimizer state built over the shards on the host
+    (K bytes per element, no master copy). Nothing without offload."""
+    if not offload:
+        return {}
+    spec, n = inputs.model, inputs.world_size
+    trained = shard_numel(spec.num_params, n, spec.shapes_where(trains=True) or None)
+    frozen = 0.0
+    if spec.frozen_params:
+        frozen = shard_numel(spec.frozen_params, n, spec.shapes_where(trains=False) or None)
+    return {
+        "params": 4.0 * (trained + frozen),
+        "grads": 4.0 * trained,
+        "optimizer": OPTIMIZER_STATE_BYTES[optimizer] * trained,
+    }
 
 
 def paper_grad_bytes(num_params: float, world_size: int) -> float:
@@ -54,7 +95,11 @@ def paper_grad_bytes(num_params: float, world_size: int) -> float:
 
 
 def buffer_bytes(
-    reshard_after_forward: bool, spec: ModelSpec, world_size: int, precision: str
+    reshard_after_forward: bool,
+    spec: ModelSpec,
+    world_size: int,
+    precision: str,
+    offload: bool = False,
 ) -> dict[str, float]:
     """FSDP2's whole parameters and gradients per GPU at the start of backward, by name
     (:func:`dpkit.engines.fsdp2.layout.transient_bytes`), in the compute dtype (bf16/fp16
@@ -65,11 +110,13 @@ def buffer_bytes(
     about two layers'. Both hold the root's whole gradients through backward and one
     unit's whole gradients with its fp32 reduce-scatter input. A bare ``--params`` has no
     layout: shard-grad-op's whole parameters are then Psi in the compute dtype, and
-    nothing else is counted.
+    nothing else is counted. Offload holds no model state on the device, so a bare count
+    would plan it at nothing: it counts the whole model gathered (shard-grad-op's bound)
+    rather than recommend it on a floor of zero.
     """
     compute_bytes = dtype_bytes(precision)
     if not spec.param_shapes:
-        if reshard_after_forward:
+        if reshard_after_forward and not offload:
             return {}
         return {"fsdp2_whole_params": float(compute_bytes * (spec.num_params + spec.frozen_params))}
     parts = layout.transient_bytes(
@@ -83,7 +130,9 @@ def buffer_bytes(
     return {f"fsdp2_{name}": value for name, value in parts.items()}
 
 
-def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
+def peak_points(
+    reshard_after_forward: bool, view: PeakView, offload: bool = False
+) -> list[PeakPoint]:
     """Where an FSDP2 step may peak, unit by unit (:mod:`dpkit.engines.fsdp2.layout` for
     the mechanism). Forward, unit i: its whole parameters and the flat all-gather output
     they were copied out of (kept until the next all-gather), the root's whole parameters,
@@ -95,7 +144,9 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
     before it. With gradient accumulation every micro-batch reduce-scatters (dpkit does not
     skip FSDP2's gradient sync): a later micro-batch runs beside the sharded gradients
     accumulated so far, and each unit's reduce-scatter output is added into them. A bare
-    ``--params`` has no units: the default points."""
+    ``--params`` has no units: the default points. Under ``offload`` the sharded
+    gradients go to host memory after each reduce-scatter and the optimizer steps there:
+    no gradient shard is counted on the device."""
     from dpkit.core.step import PeakPoint
     from dpkit.core.units import dtype_bytes
 
@@ -121,6 +172,8 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
         return max(copy_in, 2 * padded) if not view.on_gpu else copy_in
 
     def grad_shard(shapes: list) -> float:
+        if offload:  # copied to host memory once reduced
+            return 0.0
         return float(layout.REDUCE_BYTES * layout.shard_numel(shapes, n))
 
     count = len(layers)
@@ -262,6 +315,13 @@ def peak_points(reshard_after_forward: bool, view: PeakView) -> list[PeakPoint]:
 def why(strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
     """What choosing an FSDP2 mode buys and costs."""
     n = inputs.world_size
+    if strategy.offload:
+        return (
+            f"{strategy.label} keeps the parameters, gradients and optimizer state, sharded "
+            f"over {n} rank(s), in host memory (torch CPUOffloadPolicy): the device holds only the "
+            "layers being computed, at the cost of copying every shard to the device and "
+            "every gradient back each step and of an optimizer step on the CPU."
+        )
     if not strategy.reshard_after_forward:
         return (
             f"{strategy.label} shards parameters, gradients and optimizer state {n} ways between "
@@ -282,6 +342,11 @@ def row_note(strategy: Strategy, row: PlanRowView) -> str:
 
     parts = row.buffer_parts
     if "fsdp2_reduce_scatter" not in parts:
+        if strategy.offload:
+            return (
+                f"  {row.label}: a bare --params has no layout: the whole model counted as "
+                "gathered at once (an upper bound), whole gradients not counted"
+            )
         return f"  {row.label}: a bare --params has no layout: " + (
             "whole gradients not counted"
             if "fsdp2_whole_params" in parts
@@ -312,7 +377,9 @@ class FSDP2Plan(PlanArithmetic):
         optimizer: str,
         param_shapes: Sequence[Sequence[int]] | None,
     ) -> Any:
-        return model_state_bytes(num_params, world_size, optimizer, param_shapes)
+        return model_state_bytes(
+            num_params, world_size, optimizer, param_shapes, offload=strategy.offload
+        )
 
     def paper_grad_bytes(
         self, strategy: Strategy, num_params: float, world_size: int, precision: str
@@ -328,7 +395,14 @@ class FSDP2Plan(PlanArithmetic):
         settings: Mapping[str, Any],
         grads: float,
     ) -> dict[str, float]:
-        return buffer_bytes(strategy.reshard_after_forward, spec, world_size, precision)
+        return buffer_bytes(
+            strategy.reshard_after_forward, spec, world_size, precision, strategy.offload
+        )
+
+    def host_bytes(
+        self, strategy: Strategy, inputs: PlanInputs, optimizer: str
+    ) -> dict[str, float]:
+        return host_bytes(strategy.offload, inputs, optimizer)
 
     def plan_row_note(self, strategy: Strategy, row: PlanRowView) -> str:
         return row_note(strategy, row)
@@ -349,9 +423,9 @@ class FSDP2Plan(PlanArithmetic):
         return {"param_units": tuple(unit_of.get(id(p), -1) for p in params)}
 
     def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
-        return peak_points(strategy.reshard_after_forward, view) or super().peak_points(
-            strategy, view
-        )
+        return peak_points(
+            strategy.reshard_after_forward, view, strategy.offload
+        ) or super().peak_points(strategy, view)
 
     def why(self, strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
         return why(strategy, row, inputs)

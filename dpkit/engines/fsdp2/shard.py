@@ -60,6 +60,7 @@ def shard_model(
     reshard_after_forward: bool,
     precision: str,
     device_type: str,
+    offload: bool = False,
 ) -> Any:
     """Apply ``fully_shard`` to every module of ``layer_class_names``, then to the root,
     on a mesh of all ranks; returns the (same, now sharded) model.
@@ -68,22 +69,45 @@ def shard_model(
     FSDP2's ``MixedPrecisionPolicy`` all-gathers bf16 copies for the compute and
     reduce-scatters gradients in fp32, so parameters, gradients and optimizer state
     stay fp32 (as under DDP's autocast).
+
+    ``offload``: torch's ``CPUOffloadPolicy`` on every unit. The shards of parameters,
+    gradients (and so the optimizer state built over them) live in host memory; each
+    unit's shards are copied to the device for its all-gather and its reduce-scatter
+    output copied back (``_fsdp_param.py``, ``_fsdp_collectives.py``), and the optimizer
+    steps on the CPU. Pinned host memory only where there is an accelerator: pinning on a
+    CPU-only machine raises ``Cannot access accelerator device when none is available``
+    (``_fsdp_param.py``, ``_init_sharded_param``: ``padded_sharded_param.pin_memory()``,
+    torch 2.13).
     """
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy()
     if precision == "bf16":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = (
+        CPUOffloadPolicy(pin_memory=device_type != "cpu") if offload else OffloadPolicy()
+    )
+    options = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard_after_forward,
+        "mp_policy": policy,
+        "offload_policy": offload_policy,
+    }
     wanted = set(layer_class_names)
     # Bottom-up, as fully_shard asks: the root then manages only what no unit took.
     units = [m for m in model.modules() if type(m).__name__ in wanted and m is not model]
     for unit in reversed(units):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(unit, **options)
+    fully_shard(model, **options)
     return model
 
 
