@@ -6,6 +6,12 @@ NPROC ?= 2
 STRATEGY ?= ddp
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.dpkit-installed
+# DeepSpeed's JIT-built CPU ops (cpu_adam, deepspeed_shm_comm) in a folder per venv: torch's
+# default, ~/.cache/torch_extensions/py311_cpu, is shared by every venv, and a build against
+# another venv's torch is rebuilt (75-570 s for cpu_adam on 2 cores), so venvs that take turns
+# rebuild at every launch. The same key as tests/conftest.py's (sha256 of the venv's real path).
+TORCH_EXTENSIONS_DIR ?= $(HOME)/.cache/torch_extensions/venv-$(shell printf %s "$(realpath $(VENV))" | sha256sum | cut -c1-12)
+export TORCH_EXTENSIONS_DIR
 
 .PHONY: setup finetune test test-fast mutate lint format bench-zero bench-trainer tune gpu-check clean
 
