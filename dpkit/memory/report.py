@@ -198,7 +198,10 @@ class MemoryReport:
                     "category": "buffers",
                     "rank": worst["rank"],
                     "excess_bytes": float(worst["buffers_total"]),
-                    "excess_pct_of_prediction": 100.0 * worst["buffers_total"] / predicted["total"],
+                    # None where no model state is predicted on the device (ZeRO-3 offload).
+                    "excess_pct_of_prediction": None
+                    if predicted["total"] == 0
+                    else 100.0 * worst["buffers_total"] / predicted["total"],
                     "held_by": dict(sorted(worst["buffers"].items(), key=lambda kv: -kv[1])),
                     "at": worst.get("high_water_points", {}).get("buffers"),
                 }
