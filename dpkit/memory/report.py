@@ -198,7 +198,7 @@ class MemoryReport:
                     "category": "buffers",
                     "rank": worst["rank"],
                     "excess_bytes": float(worst["buffers_total"]),
-                    # None where the device holds no model state (FSDP2's offload).
+                    # None where the device holds no model state (FSDP2's offload, ZeRO-3 offload).
                     "excess_pct_of_prediction": None
                     if predicted["total"] == 0
                     else 100.0 * worst["buffers_total"] / predicted["total"],

@@ -38,8 +38,8 @@ OTHER_ROWS = ("buffers", "activations")
 """The rows after ``total``: communication buffers, and the bytes saved for backward."""
 HOST_ROWS = ("params", "grads", "optimizer", "master", "buffers")
 """Under offload, the categories the backend keeps in host memory: rows ``host <c>`` and
-``host total`` after the device's (the rows above are then the device's). ``params``
-(FSDP2's offload keeps the parameter shards there too) only where planned or measured."""
+``host total`` after the device's (the rows above are then the device's); ``host params``
+only where parameters are offloaded (FSDP2's offload, ZeRO-3 offload), planned or measured."""
 MIB = 2**20
 
 
@@ -327,9 +327,8 @@ def check_run(run_dir: str | Path) -> PlanCheck:
         c: max(float(r.get("host", {}).get(c, 0.0)) for r in report["ranks"]) for c in HOST_ROWS
     }
     if any(row.host.values()) or any(measured_host.values()):
-        for category in HOST_ROWS:
-            if category == "params" and not row.host.get("params") and not measured_host["params"]:
-                continue  # ZeRO-2 offload keeps its parameters on the device
+        shown = [c for c in HOST_ROWS if c != "params" or row.host.get(c) or measured_host[c]]
+        for category in shown:
             predicted[f"host {category}"] = float(row.host.get(category, 0.0))
             measured[f"host {category}"] = measured_host[category]
         predicted["host total"] = sum(float(row.host.get(c, 0.0)) for c in HOST_ROWS)

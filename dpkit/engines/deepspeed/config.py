@@ -75,10 +75,12 @@ def zero_stage_of(config: Mapping, path: str) -> int:
 
 
 def optimizer_offload(config: Mapping, path: str) -> str | None:
-    """Where ZeRO-1/2 keeps optimizer state and master weights: ``cpu``, or None on the
+    """Where ZeRO keeps optimizer state and master weights: ``cpu``, or None on the
     device. Offload that DeepSpeed would not run as written is refused: under ZeRO-1/2 it
     runs an NVMe ``offload_optimizer`` as CPU offload without a word (NVMe is ZeRO-3's)
-    and ignores ``offload_param`` (ZeRO-3's too)."""
+    and ignores ``offload_param`` (ZeRO-3's too). Under ZeRO-3 dpkit runs both offloads
+    to the CPU together (``zero3_offload``) or neither (``zero3``): one alone, or NVMe,
+    is refused with the field named (:func:`param_offload`)."""
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage")
     where = f"deepspeed config {path!r}"
@@ -96,7 +98,43 @@ def optimizer_offload(config: Mapping, path: str) -> str | None:
         )
     if device in (None, "none") and zero.get("cpu_offload") is True:
         device = "cpu"  # the older spelling of offload_optimizer.device = cpu
+    device = None if device in (None, "none") else device
+    if stage == 3:
+        _check_zero3_offload(device, param_offload(config), where)
+    return device
+
+
+def param_offload(config: Mapping) -> str | None:
+    """Where ZeRO-3 keeps its parameter partitions between uses (``offload_param.device``:
+    ``cpu``), or None on the device."""
+    zero = config.get("zero_optimization", {})
+    device = (zero.get("offload_param") or {}).get("device", "none")
     return None if device in (None, "none") else device
+
+
+def _check_zero3_offload(optimizer: str | None, param: str | None, where: str) -> None:
+    """ZeRO-3 offload as dpkit runs it: both to the CPU, or neither. With the optimizer
+    alone offloaded the parameter partitions and the gathered model stay on the device,
+    a layout the plan and the memory walk do not model (and with parameters alone,
+    DeepSpeed steps a device optimizer on host-resident partitions); NVMe swapping is
+    untried."""
+    for field, device in (("offload_optimizer", optimizer), ("offload_param", param)):
+        if device not in (None, "cpu"):
+            raise UsageError(
+                f"{where}: zero_optimization.{field}.device={device!r}: dpkit runs ZeRO-3 "
+                "offload to 'cpu' only"
+            )
+    if (optimizer is None) != (param is None):
+        given, missing = (
+            ("offload_optimizer", "offload_param")
+            if param is None
+            else ("offload_param", "offload_optimizer")
+        )
+        raise UsageError(
+            f"{where}: zero_optimization.{missing} missing beside {given}: dpkit runs ZeRO-3 "
+            f"with both offloaded to the CPU (zero3_offload) or neither (zero3); add "
+            f'{missing}: {{"device": "cpu"}} or drop {given}'
+        )
 
 
 def _set_if_auto(config: dict, key: str, value: Any, where: str, why: str = "") -> None:

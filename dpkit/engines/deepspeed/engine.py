@@ -14,7 +14,11 @@ from dpkit.core.strategy import Strategy
 from dpkit.engines import common
 from dpkit.engines.base import Engine, EngineSettings, Prepared
 from dpkit.engines.deepspeed import plan
-from dpkit.engines.deepspeed.config import fill_deepspeed_config, optimizer_offload
+from dpkit.engines.deepspeed.config import (
+    fill_deepspeed_config,
+    optimizer_offload,
+    param_offload,
+)
 from dpkit.engines.deepspeed.settings import (
     DEEPSPEED_DEFAULT_BUCKET,
     TUNE_MIN_BUCKET,
@@ -43,8 +47,12 @@ class ZeroSettings(EngineSettings):
     """The file it was resolved from."""
     offload_optimizer: str | None = None
     """Where ZeRO keeps optimizer state and master weights off the device (``cpu``), or None."""
+    offload_param: str | None = None
+    """Where ZeRO-3 keeps its parameter partitions between uses (``cpu``), or None."""
 
     def run_info(self) -> dict[str, Any]:
+        # offload_param is not a RunInfo field: the strategy's name (zero3_offload) and the
+        # config the run writes say it.
         return {"offload_optimizer": self.offload_optimizer}
 
     @property
@@ -79,6 +87,15 @@ ZERO2_OFFLOAD = Strategy(
     summary="ZeRO-2 with optimizer state and master weights in host memory",
 )
 ZERO3 = Strategy("zero3", "ZeRO-3", "deepspeed", 3, benched=False, summary="parameters sharded too")
+ZERO3_OFFLOAD = Strategy(
+    "zero3_offload",
+    "ZeRO-3 offload",
+    "deepspeed",
+    3,
+    offload=True,
+    benched=False,
+    summary="ZeRO-3 with parameter partitions, optimizer state and master weights in host memory",
+)
 
 
 # DeepSpeed settings an accelerate YAML or flag can give (the launcher passes them as
@@ -135,7 +152,9 @@ class DeepSpeedEngine(Engine):
 
     name = "deepspeed"
     label = "DeepSpeed ZeRO"
-    strategies = (ZERO1, ZERO2, ZERO2_OFFLOAD, ZERO3)
+    # Each stage's row without offload before its offload row: runnable(zero_stage=...) is
+    # the first of its stage.
+    strategies = (ZERO1, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD)
     config_file = "ds_config.json"
     tunable = ("reduce_bucket_size", "contiguous_gradients", "overlap_comm")
     reads_config_file = True
@@ -207,13 +226,14 @@ class DeepSpeedEngine(Engine):
         )
 
     def _strategy_of(self, template: Mapping[str, Any], path: str) -> Strategy:
-        """The row a DeepSpeed JSON runs: its stage, and ZeRO-2 with ``offload_optimizer``
-        is ``zero2_offload`` (spike: the stage alone named it ``zero2``)."""
+        """The row a DeepSpeed JSON runs: its stage, and with ``offload_optimizer`` (ZeRO-3:
+        with ``offload_param`` too; one alone is refused) its offload row (spike: the stage
+        alone named ZeRO-2 offload ``zero2``)."""
         from dpkit.engines.deepspeed.config import zero_stage_of
 
         stage = zero_stage_of(template, path)
-        if stage == 2 and optimizer_offload(template, path) is not None:
-            return ZERO2_OFFLOAD
+        if optimizer_offload(template, path) is not None:
+            return {2: ZERO2_OFFLOAD, 3: ZERO3_OFFLOAD}.get(stage, self.runnable(zero_stage=stage))
         return self.runnable(zero_stage=stage)
 
     def from_flag(self, strategy: Strategy, args: FlagsView, env: Mapping[str, str]) -> Launch:
@@ -248,7 +268,8 @@ class DeepSpeedEngine(Engine):
             stage=strategy.zero_stage,
             largest_param_numel=sizes.largest_param_numel,
             on_cuda=request.on_cuda,
-            offload=offload is not None,
+            # ZeRO-1/2 force contiguous gradients under offload; ZeRO-3 takes them as written.
+            offload=offload is not None and strategy.zero_stage < 3,
         )
         ds_config = fill_deepspeed_config(
             template,
@@ -274,6 +295,7 @@ class DeepSpeedEngine(Engine):
                     "with an L2-decay one; set it to false or leave it out"
                 )
             ds_config["zero_force_ds_cpu_optimizer"] = False
+        if offload is not None and strategy.zero_stage < 3:
             # DeepSpeed runs offload with contiguous gradients whatever the config says
             # (stage_1_and_2.py: contiguous_gradients or cpu_offload): the config says so.
             ds_config.setdefault("zero_optimization", {})["contiguous_gradients"] = True
@@ -282,6 +304,7 @@ class DeepSpeedEngine(Engine):
             ds_config=ds_config,
             ds_config_path=request.ds_config_path,
             offload_optimizer=offload,
+            offload_param=param_offload(template) if strategy.zero_stage == 3 else None,
         )
 
     def before_process_group(self, *, on_cuda: bool) -> None:
@@ -397,13 +420,20 @@ class DeepSpeedEngine(Engine):
             raise RuntimeError(
                 f"asked for ZeRO-{asked.zero_stage}, DeepSpeed runs stage {zero_stage}"
             )
+        offloaded = self.memory.offload_in_effect(optimizer) is not None
+        if offloaded != asked.offload:
+            raise RuntimeError(
+                f"asked for {asked.name}, DeepSpeed runs ZeRO-{zero_stage} "
+                f"{'with' if offloaded else 'without'} optimizer offload"
+            )
         return Prepared(f"{type(engine).__name__}+{inner}", zero_stage)
 
     def recognise(self, model: torch.nn.Module, optimizer: Any) -> Any:
         from dpkit.engines.deepspeed.memory import stage3_optimizer, zero_optimizer
 
-        if stage3_optimizer(optimizer) is not None:
-            return self.runnable(zero_stage=3)
+        stage3 = stage3_optimizer(optimizer)
+        if stage3 is not None:
+            return ZERO3_OFFLOAD if getattr(stage3, "offload_optimizer", False) else ZERO3
         zero = zero_optimizer(optimizer)
         if zero is None:
             return None

@@ -87,16 +87,33 @@ def _walk_stage3(ledger: Ledger, zero: Any, module: torch.nn.Module) -> dict[str
     """ZeRO-3's memory: each parameter's slice (views into the 16-bit flat partitions), the
     small parameters it keeps whole (``ds_persist``), the ones gathered whole right now,
     the fp32 master partitions and their optimizer state, the flat gradient partition and
-    the reduction buckets."""
+    the reduction buckets.
+
+    Under offload each claim is placed where DeepSpeed allocates it (on a CPU run every
+    tensor says ``cpu``, so the placement comes from the optimizer's flags): with
+    ``offload_param`` the 16-bit partitions are narrows of ``param_groups_fp16_flat_cpu_memory``
+    (``_create_fp16_partitions_with_defragmentation``) and zero.Init put the frozen ones
+    on its ``remote_device``; with ``offload_optimizer`` the fp32 masters, their Adam
+    state, their persistent ``.grad`` and the flat gradient partition are built on
+    ``self.device = cpu`` (stage3.py). What is gathered whole for compute, the persistent
+    small parameters and the reduce bucket stay on the device."""
+    params_at = "host" if getattr(zero, "offload_param", False) else "device"
+    states_at = "host" if getattr(zero, "offload_optimizer", False) else "device"
     # 1. The parameters: this rank's slices, then whatever is whole right now (persistent
     # ones always, the others between their gather and their release).
-    ledger.claim_all(zero.fp16_partitioned_groups_flat, "params", "zero3_param_partition")
+    ledger.claim_all(
+        (f for f in zero.fp16_partitioned_groups_flat if f is not None),
+        "params",
+        "zero3_param_partition",
+        params_at,
+    )
     # A frozen parameter (LoRA's base weights) is partitioned too, outside the optimizer's
     # flat groups: its own slice (a trainable one's is a view into the flat above).
     ledger.claim_all(
         (p.ds_tensor for p in module.parameters() if getattr(p, "ds_tensor", None) is not None),
         "params",
         "zero3_param_partition (frozen)",
+        params_at,
     )
     persistent, gathered = [], []
     for param in module.parameters():
@@ -109,20 +126,26 @@ def _walk_stage3(ledger: Ledger, zero: Any, module: torch.nn.Module) -> dict[str
     ledger.claim_all(gathered, "buffers", "zero3_gathered_params (whole until released)")
     ledger.claim_all(module.parameters(), "params", "module parameters outside ZeRO-3")
     # 2. The fp32 masters and the inner optimizer's state on them.
-    ledger.claim_all(zero.fp32_partitioned_groups_flat, "master", "zero3_fp32_partition")
-    claim_optimizer_state(ledger, getattr(zero, "optimizer", None))
+    ledger.claim_all(zero.fp32_partitioned_groups_flat, "master", "zero3_fp32_partition", states_at)
+    claim_optimizer_state(ledger, getattr(zero, "optimizer", None), states_at)
     # 3. Gradients: the flat partition every parameter's reduced slice lives in, and the
     # masters' .grad during the step.
     ledger.claim_all(
         zero_tensors_in(getattr(zero, "grad_partitions_flat_buffer", None)),
         "grads",
         "zero3_grad_partition",
+        states_at,
     )
+    # Under offload_optimizer the masters' .grad is allocated once and kept
+    # (initialize_optimizer_states); without, it is the step's flat fp32 copy.
     for flat in zero.fp32_partitioned_groups_flat:
         if isinstance(flat.grad, torch.Tensor):
-            ledger.claim(flat.grad, "grads", "zero3_fp32_partition.grad")
+            ledger.claim(flat.grad, "grads", "zero3_fp32_partition.grad", states_at)
     ledger.claim_all(
-        zero_tensors_in(getattr(zero, "averaged_gradients", None)), "grads", "averaged_gradients"
+        zero_tensors_in(getattr(zero, "averaged_gradients", None)),
+        "grads",
+        "averaged_gradients",
+        states_at,
     )
     for param in module.parameters():
         if isinstance(param.grad, torch.Tensor):
@@ -571,10 +594,14 @@ class DeepSpeedMemory(MeasuredMemory):
         return [f"strategy {strategy.name!r} but no ZeRO optimizer found: measured as plain torch"]
 
     def offload_in_effect(self, optimizer: Any) -> str | None:
+        stage3 = stage3_optimizer(optimizer)
+        if stage3 is not None:  # ZeRO-3: offload_optimizer, a bool (stage3.py)
+            return "cpu" if getattr(stage3, "offload_optimizer", False) else None
         zero = zero_optimizer(optimizer)
         return "cpu" if getattr(zero, "cpu_offload", False) else None
 
     def optimizer_in_effect(self, optimizer: Any) -> str | None:
         """``cpu_adam`` when the ZeRO optimizer steps with DeepSpeed's CPU Adam (offload)."""
-        inner = getattr(zero_optimizer(optimizer), "optimizer", None)
+        owner = stage3_optimizer(optimizer) or zero_optimizer(optimizer)
+        inner = getattr(owner, "optimizer", None)
         return "cpu_adam" if type(inner).__name__ == "DeepSpeedCPUAdam" else None

@@ -88,6 +88,19 @@ def model_state_bytes(
         grads = (module_bytes + 4) * psi / n
     optimizer_bytes = per_rank(OPTIMIZER_STATE_BYTES[optimizer] * psi, 1)
     master = per_rank(4 * psi, 1)
+    if stage == 3 and offload:
+        # ZeRO-3 offload (offload_param and offload_optimizer to the CPU): no model state
+        # stays on the device between uses. Host: the 16-bit partitions, the flat
+        # gradient partition (module dtype) with the masters' fp32 .grad beside it, Adam's
+        # state and the fp32 masters (zero3_host_bytes).
+        in_host = module_bytes * psi / n + (module_bytes + 4) * psi / n
+        return ModelStateBytes(
+            params=0.0,
+            grads=0.0,
+            optimizer=0.0,
+            master=0.0,
+            offloaded_to_cpu=in_host + optimizer_bytes + master,
+        )
     if offload:
         return ModelStateBytes(
             params=params,
@@ -133,7 +146,7 @@ def buffer_bytes(
     gradient is copied into before it goes to host memory
     (``temp_grad_buffer_for_gpu_offload``, stage_1_and_2.py)."""
     module_bytes = dtype_bytes(precision)
-    if offload:
+    if offload and stage < 3:  # stage 3 takes contiguous_gradients as written (stage3.py)
         settings = {**settings, "contiguous_gradients": True}
     bucket = settings["reduce_bucket_size"]
     # Stages 1-2 double-buffer with overlap_comm; stage 3 keeps one flat bucket either way.
@@ -166,7 +179,7 @@ def buffer_bytes(
         parts["gathered_params"] = module_bytes * min(sharded, window)
         parts["persistent_small_tensors"] = module_bytes * spec.small_tensor_params
     largest = _largest_param(spec)
-    if offload and largest:
+    if offload and largest and not shards_params:
         parts["offload_device_staging"] = float(module_bytes * largest)
     return parts
 
@@ -207,7 +220,9 @@ def offload_device_grads(
     )
 
 
-def host_bytes(offload: bool, inputs: PlanInputs, optimizer: str) -> dict[str, float]:
+def host_bytes(
+    offload: bool, inputs: PlanInputs, optimizer: str, stage: int = 2
+) -> dict[str, float]:
     """ZeRO-2 offload's host memory per rank, by category, where DeepSpeed allocates
     it (``self.device = 'cpu'`` under ``cpu_offload``, stage_1_and_2.py): the optimizer
     state and the fp32 master partition (Psi/N each: 8 and 4 bytes a parameter for
@@ -218,9 +233,11 @@ def host_bytes(offload: bool, inputs: PlanInputs, optimizer: str) -> dict[str, f
     (``temp_grad_buffer_for_cpu_offload``, the largest parameter in the module dtype)
     and the partition's 16-bit copy sent back to the device after the step
     (``param_buffer_of_bit16_for_cpu_offload_groups``, Psi/N in the module dtype).
-    Nothing without offload."""
+    Nothing without offload. ZeRO-3 offload: :func:`zero3_host_bytes`."""
     if not offload:
         return {}
+    if stage == 3:
+        return zero3_host_bytes(inputs, optimizer)
     spec, n = inputs.model, float(inputs.world_size)
     psi = float(spec.num_params)
     module_bytes = dtype_bytes(inputs.precision)
@@ -237,6 +254,33 @@ def host_bytes(offload: bool, inputs: PlanInputs, optimizer: str) -> dict[str, f
         "optimizer": OPTIMIZER_STATE_BYTES[optimizer] * psi / n,
         "master": 4.0 * psi / n,
         "buffers": buffers,
+    }
+
+
+def zero3_host_bytes(inputs: PlanInputs, optimizer: str) -> dict[str, float]:
+    """ZeRO-3 offload's host memory per rank, by category, where DeepSpeed 0.19 allocates
+    it (stage3.py). With ``offload_param`` the rank's 16-bit partitions of the trainable
+    parameters are narrows of one host buffer per parameter group
+    (``param_groups_fp16_flat_cpu_memory``, Psi/N in the module dtype), and zero.Init
+    builds a frozen parameter's partition on its ``remote_device`` (host) too. With
+    ``offload_optimizer`` (``self.device = cpu``): the fp32 masters (4 Psi/N, a copy even
+    in fp32: ``converted.clone()``), Adam's two moments (8 Psi/N), the flat gradient
+    partition every reduced slice is copied into (``grad_partitions_flat_buffer``, the
+    gradient accumulation dtype: the module's, as under ZeRO-3) and the masters' fp32
+    ``.grad`` the CPU step reads, allocated once and kept (``initialize_optimizer_states``;
+    without offload it is the step's transient copy). Nothing is staged in host memory
+    beside them: the reduced slice is copied straight into the masters' ``.grad``
+    (``_offload_grad_partition_at_boundary``)."""
+    spec, n = inputs.model, float(inputs.world_size)
+    psi = float(spec.num_params)
+    module_bytes = dtype_bytes(inputs.precision)
+    frozen = float(spec.frozen_params)
+    return {
+        "params": module_bytes * (psi + frozen) / n,
+        "grads": (module_bytes + 4.0) * psi / n,
+        "optimizer": OPTIMIZER_STATE_BYTES[optimizer] * psi / n,
+        "master": 4.0 * psi / n,
+        "buffers": 0.0,
     }
 
 
@@ -573,6 +617,15 @@ def why(strategy: Strategy, row: PlanRowView, inputs: PlanInputs) -> str:
     from dpkit.core.units import format_gib
 
     n = inputs.world_size
+    if strategy.offload and strategy.shards_parameters:
+        return (
+            "ZeRO-3 offload keeps only what a layer computes with on the GPU: parameter "
+            "partitions, optimizer state, master weights and fp32 gradients live in host "
+            f"memory ({format_gib(row.host_offload)} per GPU, "
+            f"{format_gib(row.host_offload * inputs.gpus_per_node)} per node); parameters "
+            "cross PCIe at every gather and the optimizer step runs on the CPU: the slowest "
+            "row, for a model nothing else fits."
+        )
     if strategy.offload:
         return (
             "Offload keeps ZeRO-2's sharding and moves optimizer state, master weights and fp32 "
@@ -664,7 +717,7 @@ class DeepSpeedPlan(PlanArithmetic):
     def host_bytes(
         self, strategy: Strategy, inputs: PlanInputs, optimizer: str
     ) -> dict[str, float]:
-        return host_bytes(strategy.offload, inputs, optimizer)
+        return host_bytes(strategy.offload, inputs, optimizer, strategy.zero_stage)
 
     def settings_from_run(self, recorded: Mapping[str, Any]) -> dict[str, Any]:
         return {k.removeprefix("zero."): v for k, v in recorded.items() if k.startswith("zero.")}
