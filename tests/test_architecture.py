@@ -22,7 +22,10 @@ BARE = {
     for name in ("bare_ddp.py", "bare_deepspeed.py", "bare_fsdp2.py")
 }
 
-STRATEGY_NAMES = "ddp|zero1|zero2|zero2_offload|zero3|fsdp2_shard_grad_op|fsdp2_full_shard"
+STRATEGY_NAMES = (
+    "ddp|zero1|zero2|zero2_offload|zero3|zero3_offload|fsdp2_shard_grad_op|fsdp2_full_shard"
+    "|fsdp2_full_shard_offload"
+)
 BACKEND_BRANCHES = {
     "a backend flag": re.compile(r"\buses_(deepspeed|fsdp2)\b"),
     "an engine compared by name": re.compile(r"\bengine(_of\([^)]*\))?(\.name)?\s*(==|!=)"),

@@ -134,7 +134,8 @@ RECIPE_CASES = [
         "unknown-strategy",
         lambda t: ["--strategy", "zero4"],
         "--strategy: invalid choice: 'zero4' (choose from 'auto', 'ddp', 'zero1', 'zero2', "
-        "'zero2_offload', 'zero3', 'fsdp2_shard_grad_op', 'fsdp2_full_shard')",
+        "'zero2_offload', 'zero3', 'zero3_offload', 'fsdp2_shard_grad_op', 'fsdp2_full_shard', "
+        "'fsdp2_full_shard_offload')",
     ),
     (
         "fsdp2-with-deepspeed-json",
@@ -520,8 +521,7 @@ def test_command_line_refused(argv, message, capsys, tmp_path):
         pytest.param(
             lambda: StrategyConfig(strategy="zero4"),
             "--strategy='zero4': not one of auto, ddp, zero1, zero2, zero2_offload, zero3, "
-            "fsdp2_shard_grad_op, "
-            "fsdp2_full_shard",
+            "zero3_offload, fsdp2_shard_grad_op, fsdp2_full_shard, fsdp2_full_shard_offload",
             id="strategy",
         ),
         pytest.param(

@@ -274,7 +274,7 @@ RECIPE_CASES = [
         "deepspeed-missing-names-the-shipped",
         lambda t: ["--deepspeed", str(t / "zero9.json")],
         "zero9.json': no such file in the current directory, and not one of dpkit's shipped "
-        "configs (zero1.json, zero2.json, zero2_offload.json, zero3.json)",
+        "configs (zero1.json, zero2.json, zero2_offload.json, zero3.json, zero3_offload.json)",
     ),
     (
         "deepspeed-given-a-yaml",

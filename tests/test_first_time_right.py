@@ -146,7 +146,7 @@ def test_a_yaml_naming_a_missing_json_is_one_line_naming_the_yaml(tmp_path):
     assert errors == [
         f"own.py: error: {cfg / 'run.yaml'} deepspeed_config_file='missing.json': no such file "
         f"in the current directory or {cfg}, and not one of dpkit's shipped configs "
-        "(zero1.json, zero2.json, zero2_offload.json, zero3.json)"
+        "(zero1.json, zero2.json, zero2_offload.json, zero3.json, zero3_offload.json)"
     ], output[-3000:]
     assert "Traceback" not in result.stdout
 

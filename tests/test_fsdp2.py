@@ -96,14 +96,13 @@ def test_shipped_fsdp2_yamls_name_their_mode():
     ("strategy_flag", "deepspeed", "settings", "message"),
     [
         ("auto", None, {"FSDP_VERSION": "1"}, "accelerate config fsdp_version=1: dpkit runs FSDP2"),
-        ("auto", None, {"FSDP_OFFLOAD_PARAMS": "true"}, "fsdp_offload_params=true: dpkit's FSDP2 does not apply it"),
         ("auto", None, {"FSDP_ACTIVATION_CHECKPOINTING": "true"}, "fsdp_activation_checkpointing=true"),
         ("auto", None, {"FSDP_AUTO_WRAP_POLICY": "SIZE_BASED_WRAP"}, "fsdp_auto_wrap_policy=SIZE_BASED_WRAP"),
         ("auto", None, {"FSDP_RESHARD_AFTER_FORWARD": "HYBRID_SHARD"}, "fsdp_reshard_after_forward=hybrid_shard"),
         ("zero2", None, {}, "--strategy=zero2 conflicts with accelerate launch (FSDP2, fsdp2_full_shard)"),
         ("auto", "ds_configs/zero2.json", {}, "--deepspeed='ds_configs/zero2.json' conflicts with accelerate launch (FSDP2"),
     ],
-    ids=["fsdp1", "offload", "activation-checkpointing", "size-wrap", "hybrid", "zero-flag", "deepspeed-json"],
+    ids=["fsdp1", "activation-checkpointing", "size-wrap", "hybrid", "zero-flag", "deepspeed-json"],
 )  # fmt: skip
 def test_fsdp_launches_dpkit_cannot_honour_are_refused(strategy_flag, deepspeed, settings, message):
     with pytest.raises(UsageError) as refused:

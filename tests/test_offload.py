@@ -63,13 +63,15 @@ def test_what_the_plan_recommends_for_7b_on_one_gpu_is_what_this_launch_ran(offl
     """dpkit plan for Llama-7B on one 80 GiB GPU (bf16, micro-batch 1 x 4096): nothing
     that keeps its state on the device fits (DDP needs 144.4 GiB, ZeRO-3 154.3 GiB; FSDP2
     130.2 GiB at one GPU); ZeRO-2 offload does (39.7 GiB). The name it recommends is the
-    strategy this file's launch ran as, from --strategy given that name."""
+    strategy this file's launch ran as, from --strategy given that name. The host: 256 GiB
+    (a one-GPU server; the default is this machine's memory), within which ZeRO-2 offload's
+    host states (fp32 moments and master, 12 bytes x 6.7B = 75.3 GiB, and its buffers) fit."""
     from dpkit.plan.inputs import load_model
     from dpkit.plan.recommend import make_plan
 
     inputs = PlanInputs(
         model=load_model("llama-7b"), gpus_per_node=1, gpu_memory=80 * 2**30,
-        precision="bf16", micro_batch=1, seq_len=4096,
+        precision="bf16", micro_batch=1, seq_len=4096, host_memory=256 * 2**30,
     )  # fmt: skip
     recommended = make_plan(inputs).recommended
     assert recommended == offload.run_info["strategy"] == "zero2_offload"

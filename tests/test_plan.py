@@ -719,7 +719,7 @@ def test_recommendation_is_the_first_fitting_strategy(specs):
 def test_strategies_dpkit_runs_come_before_the_reference_ones():
     assert [s.name for s in recommendation_order()] == [
         "ddp", "zero1", "zero2", "zero3", "fsdp2_shard_grad_op", "fsdp2_full_shard",
-        "zero2_offload",
+        "zero2_offload", "zero3_offload", "fsdp2_full_shard_offload",
     ]  # fmt: skip
 
 
@@ -747,14 +747,14 @@ def test_every_strategy_the_plan_can_recommend_is_one_the_recipes_take():
     for strategy in recommendation_order():
         assert strategy.runnable, strategy.name
         assert StrategyConfig(strategy=strategy.name).strategy == strategy.name
-    with pytest.raises(UsageError, match="--strategy='zero3_offload': not one of"):
-        StrategyConfig(strategy="zero3_offload")  # a plan-only name would be refused so
+    with pytest.raises(UsageError, match="--strategy='zero4_offload': not one of"):
+        StrategyConfig(strategy="zero4_offload")  # a plan-only name would be refused so
 
 
 def test_cpu_adam_only_runs_offloaded(specs):
     result = make_plan(inputs_for(specs["gpt2"], optimizer="cpu_adam"))
     assert result.recommended == "zero2_offload"
-    assert [r.strategy for r in result.rows if r.applicable] == ["zero2_offload"]
+    assert [r.strategy for r in result.rows if r.applicable] == ["zero2_offload", "zero3_offload"]
     assert "cpu_adam" in result.reason
 
 
@@ -822,6 +822,11 @@ def run_plan(*args: str) -> subprocess.CompletedProcess:
         (["--params", "1B", "--optimizer", "lion"], "--optimizer", "lion"),
         (["--params", "1B", "--headroom", "1.5"], "--headroom", "1.5"),
         (["--params", "100B", "--gpus-per-node", "1", "--gpu-memory", "24GB"], "--params", "100B"),
+        # ZeRO-3 offload fits the GPU but not the host: bf16 params 2 + grads 2 + 4 (fp32
+        # accumulation) + Adam 8 + master 4 = 20 bytes x 100e9 / 2**30 = 1862.6 GiB
+        (["--params", "100B", "--gpus-per-node", "1", "--gpu-memory", "24GB", "--host-memory", "512GB"],
+         "--host-memory", "keeps 1862.6 GiB per GPU in host memory"),
+        (["--params", "1B", "--host-memory", "0GB"], "--host-memory", "0GB"),
         (["--model", "gpt2", "--micro-batch", "4096", "--gpu-memory", "24GB"], "--micro-batch", "4096"),
         (["--model", "gpt2", "--seq-len", "2048"], "--seq-len", "2048"),
         ([], "--model / --params", "give --model NAME_OR_FOLDER"),
@@ -874,14 +879,19 @@ def test_cli_json(specs):
         "zero2": (2 * psi, 8 * psi // n, 4 * psi // n),
         "zero2_offload": (2 * psi, 0, 0),
         "zero3": (2 * psi // n, 8 * psi // n, 4 * psi // n),
+        "zero3_offload": (0, 0, 0),  # every model state in host memory
         "fsdp2_shard_grad_op": (4 * fsdp2_rows, 8 * fsdp2_rows, 0),
         "fsdp2_full_shard": (4 * fsdp2_rows, 8 * fsdp2_rows, 0),
+        "fsdp2_full_shard_offload": (0, 0, 0),
     }
     for row in data["strategies"]:
         figures = row["bytes_per_gpu"]
         got = (figures["params"], figures["optimizer"], figures["master"])
         assert got == expected[row["strategy"]], row["strategy"]
-        assert row["fits"] == (figures["total"] <= usable)
+        host_usable = data["inputs"]["host_usable_bytes_per_gpu"]
+        assert row["fits"] == (
+            figures["total"] <= usable and row["host_offload_bytes_per_gpu"] <= host_usable
+        )
         # Autocast's 16-bit weight copies: DDP's alone (the others compute in their own
         # 16-bit parameters), 2 bytes x the weights matmuls take (issue #30; was 2 Psi): all
         # but the position embedding (1024 x 1600), the 48 layers' two norms (2 x 2 x 1600)

@@ -195,11 +195,6 @@ def test_the_layer_classes_an_fsdp_launch_names():
             id="fsdp-version-unset-is-1",
         ),
         pytest.param(
-            "auto", None, {**ACCELERATE_FSDP2, "FSDP_OFFLOAD_PARAMS": "True"},
-            "accelerate config fsdp_offload_params=true: dpkit's FSDP2 does not apply it",
-            id="offload",
-        ),
-        pytest.param(
             "auto", None, {**ACCELERATE_FSDP2, "FSDP_CPU_RAM_EFFICIENT_LOADING": "true"},
             "accelerate config fsdp_cpu_ram_efficient_loading=true: dpkit's FSDP2 does not "
             "apply it",
@@ -527,7 +522,7 @@ def test_a_yaml_path_found_nowhere_names_the_key(tmp_path, monkeypatch):
     assert str(refused.value) == (
         "deepspeed_config_file (ACCELERATE_DEEPSPEED_CONFIG_FILE)='conf/mine.json': no such "
         "file in the current directory, and not one of dpkit's shipped configs "
-        "(zero1.json, zero2.json, zero2_offload.json, zero3.json)"
+        "(zero1.json, zero2.json, zero2_offload.json, zero3.json, zero3_offload.json)"
     )
 
 

@@ -506,7 +506,7 @@ def test_deepspeed_config_leaves_every_auto_the_trainer_fills():
         (
             "no/such/config.json",
             "deepspeed_config(config=...)='no/such/config.json': no such file in the current "
-            "directory, and not one of dpkit's shipped configs (zero1.json, zero2.json, zero2_offload.json, zero3.json)",
+            "directory, and not one of dpkit's shipped configs (zero1.json, zero2.json, zero2_offload.json, zero3.json, zero3_offload.json)",
         ),
     ],
 )

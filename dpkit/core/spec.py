@@ -128,6 +128,9 @@ class PlanInputs:
     """Bytes per GPU for the CUDA context, NCCL and allocator slack."""
     headroom: float = 0.10
     """Share of each GPU kept free: a plan fits if its total is within the rest."""
+    host_memory: int | None = None
+    """Bytes of host memory per node an offloading plan may use (what its ranks keep in
+    host memory together, less the same headroom); None: this machine's physical memory."""
 
     def __post_init__(self) -> None:
         checks = (
@@ -144,6 +147,12 @@ class PlanInputs:
             ("--seq-len", self.seq_len, self.seq_len > 0, "must be positive"),
             ("--reserve", self.reserve, self.reserve >= 0, "must not be negative"),
             ("--headroom", self.headroom, 0 <= self.headroom < 1, "must be in [0, 1)"),
+            (
+                "--host-memory",
+                self.host_memory,
+                self.host_memory is None or self.host_memory > 0,
+                "must be positive",
+            ),
             ("--precision", self.precision, self.precision in PRECISIONS, "unknown"),
             ("--optimizer", self.optimizer, self.optimizer in OPTIMIZER_CHOICES, "unknown"),
             ("--attention", self.attention, self.attention in ATTENTION_CHOICES, "unknown"),
@@ -170,3 +179,24 @@ class PlanInputs:
     def usable(self) -> float:
         """Bytes per GPU a plan may use: the GPU less the headroom."""
         return self.gpu_memory * (1 - self.headroom)
+
+    @property
+    def host_per_node(self) -> int:
+        """Bytes of host memory per node: ``host_memory``, or this machine's."""
+        if self.host_memory is not None:
+            return self.host_memory
+        import os
+
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+    @property
+    def host_usable(self) -> float:
+        """Host bytes per GPU an offloading plan may use: the node's share per GPU, less
+        the headroom."""
+        return self.host_per_node / self.gpus_per_node * (1 - self.headroom)
+
+    def fits(self, row: Any) -> bool:
+        """Whether a :class:`~dpkit.plan.estimate.StrategyEstimate` can run here: its
+        device bytes within the GPU's usable memory, and what it offloads within the
+        host's share per GPU."""
+        return row.applicable and row.total <= self.usable and row.host_offload <= self.host_usable

@@ -91,6 +91,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="80GiB",
         help="per GPU: 80GiB, 24GB (GB=1e9, GiB=2**30, bare G=GiB); default: 80GiB",
     )
+    machine.add_argument(
+        "--host-memory",
+        metavar="SIZE",
+        default=None,
+        help="host memory per node, shared by its GPUs' offloaded states; default: this machine's",
+    )
     step = parser.add_argument_group("training step")
     step.add_argument(
         "--precision",
@@ -209,6 +215,11 @@ def request_from_args(args: argparse.Namespace) -> tuple[PlanInputs, PlannedTask
     if gpu_memory <= 0:
         raise UsageError(f"--gpu-memory={args.gpu_memory!r}: must be positive")
     reserve = parse_memory(args.reserve, "--reserve")
+    host_memory = None
+    if args.host_memory is not None:
+        host_memory = parse_memory(args.host_memory, "--host-memory")
+        if host_memory <= 0:
+            raise UsageError(f"--host-memory={args.host_memory!r}: must be positive")
     headroom = parse_fraction(args.headroom, "--headroom")
     micro_batch = parse_positive_int(args.micro_batch, "--micro-batch")
     accumulation = parse_positive_int(
@@ -265,6 +276,7 @@ def request_from_args(args: argparse.Namespace) -> tuple[PlanInputs, PlannedTask
         activation_method=method,
         reserve=reserve,
         headroom=headroom,
+        host_memory=host_memory,
     )
     return inputs, planned
 

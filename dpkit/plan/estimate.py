@@ -263,7 +263,7 @@ def largest_micro_batch(
 
     def fits(micro_batch: int) -> bool:
         row = estimate(inputs, strategy, micro_batch, activations, settings)
-        return row.applicable and row.total <= inputs.usable
+        return inputs.fits(row)
 
     if not fits(1):
         return 0

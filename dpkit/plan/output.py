@@ -141,7 +141,9 @@ def format_table(plan: Plan) -> str:
         _describe_method(plan),
         *(
             f"host memory: {r.label} keeps {format_gib(r.host_offload)} per GPU in "
-            f"host RAM ({format_gib(r.host_offload * inputs.gpus_per_node)} per node)"
+            f"host RAM ({format_gib(r.host_offload * inputs.gpus_per_node)} per node, of "
+            f"{format_gib(inputs.host_per_node)}: "
+            f"{'--host-memory' if inputs.host_memory is not None else 'this machine'})"
             for r in offloaded
         ),
         "buffers: "
@@ -247,6 +249,8 @@ def plan_dict(plan: Plan) -> dict[str, Any]:
             "world_size": inputs.world_size,
             "gpu_memory_bytes": inputs.gpu_memory,
             "usable_bytes": round(inputs.usable),
+            "host_memory_bytes_per_node": inputs.host_per_node,
+            "host_usable_bytes_per_gpu": round(inputs.host_usable),
             "headroom": inputs.headroom,
             "reserve_bytes": inputs.reserve,
             "precision": inputs.precision,

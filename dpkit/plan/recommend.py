@@ -62,7 +62,7 @@ class Plan:
 
     def fits(self, row: StrategyEstimate) -> bool:
         """Whether ``row`` can run and fits in the usable memory per GPU."""
-        return row.applicable and row.total <= self.inputs.usable
+        return self.inputs.fits(row)
 
 
 def format_gib(value: float) -> str:
@@ -103,6 +103,15 @@ def _reason(rows: list[StrategyEstimate], chosen: StrategyEstimate, inputs: Plan
 def _nothing_fits(inputs: PlanInputs, rows: list[StrategyEstimate]) -> UsageError:
     """The one-line error when no strategy fits: the flag to change, and by how much."""
     smallest = min((r for r in rows if r.applicable), key=lambda r: r.total)
+    if smallest.total <= inputs.usable and smallest.host_offload > inputs.host_usable:
+        return UsageError(
+            f"--{'model' if inputs.model.source != 'count' else 'params'}={inputs.model.name!r}: "
+            f"fits under no strategy on {inputs.world_size} x {format_gib(inputs.gpu_memory)}; "
+            f"{smallest.label} fits the GPU but keeps {format_gib(smallest.host_offload)} per GPU "
+            f"in host memory, over the {format_gib(inputs.host_usable)} usable per GPU "
+            f"({format_gib(inputs.host_per_node)} per node, --host-memory, less "
+            f"{inputs.headroom:.0%} headroom); use more GPUs or nodes, or set --host-memory"
+        )
     need = (
         f"the smallest need is {smallest.label} at {format_gib(smallest.total)} per GPU "
         f"against {format_gib(inputs.usable)} usable ({format_gib(inputs.gpu_memory)} less "
@@ -143,7 +152,7 @@ def make_plan(inputs: PlanInputs, task: PlannedTask | None = None) -> Plan:
     ]
     by_name = {r.strategy: r for r in rows}
     tried = [by_name[s.name] for s in recommendation_order()]
-    fitting = [r for r in tried if r.applicable and r.total <= inputs.usable]
+    fitting = [r for r in tried if inputs.fits(r)]
     if not fitting:
         raise _nothing_fits(inputs, rows)
     largest = {
