@@ -18,8 +18,9 @@ class Strategy:
     """One way of distributing training state over data-parallel ranks."""
 
     name: str
-    """The flag value and file stem: ``ddp``, ``zero1``, ``zero2``, ``fsdp2_shard_grad_op``,
-    ``fsdp2_full_shard``, ``zero3`` (and, for ``dpkit plan`` only, ``zero2_offload``)."""
+    """The flag value and file stem: ``ddp``, ``zero1``, ``zero2``, ``zero2_offload``,
+    ``zero3``, ``zero3_offload``, ``fsdp2_shard_grad_op``, ``fsdp2_full_shard``,
+    ``fsdp2_full_shard_offload``."""
     label: str
     """How tables and logs show it: ``DDP``, ``ZeRO-1``..."""
     backend: str
@@ -28,7 +29,8 @@ class Strategy:
     """What is sharded over the ranks, in ZeRO's terms: 0 nothing, 1 optimizer state and
     master weights, 2 also gradients, 3 also parameters."""
     offload: bool = False
-    """Optimizer state and master weights live in host memory (DeepSpeed offload)."""
+    """Model state lives in host memory: the optimizer state and master weights (ZeRO-2
+    offload), the parameter partitions too (ZeRO-3 offload, FSDP2's ``CPUOffloadPolicy``)."""
     reshard_after_forward: bool = False
     """Parameters are sharded again after each layer's forward (FSDP2 full-shard,
     ZeRO-3's semantics); otherwise they stay whole until the backward."""
