@@ -148,7 +148,8 @@ def refuse_zero3_without_init(strategy: Strategy, env: Mapping[str, str]) -> Non
 
 
 class DeepSpeedEngine(Engine):
-    """ZeRO-1 and ZeRO-2: DeepSpeed's engine and ZeRO optimizer, configured by one JSON."""
+    """DeepSpeed ZeRO-1, ZeRO-2 and ZeRO-3, with or without offload: DeepSpeed's engine and
+    ZeRO optimizer, configured by one JSON."""
 
     name = "deepspeed"
     label = "DeepSpeed ZeRO"
