@@ -54,7 +54,8 @@ def specs() -> dict[str, ModelSpec]:
 
 
 def inputs_for(spec: ModelSpec, **overrides) -> PlanInputs:
-    settings = {"seq_len": min(spec.max_positions or 1024, 1024)} | overrides
+    # 1 TiB of host memory per node: no plan here depends on this machine's.
+    settings = {"seq_len": min(spec.max_positions or 1024, 1024), "host_memory": 2**40} | overrides
     return PlanInputs(model=spec, **settings)
 
 

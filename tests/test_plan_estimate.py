@@ -18,6 +18,15 @@ reserve or headroom (so the totals are the arithmetic alone), per GPU:
   bucket 1, and the parameters gathered at the end of the forward: every one of the 10^9,
   as DeepSpeed's default reuse distance (10^9 elements) covers them all, 2 B each, 2:
   0.25 + 0.75 + 1 + 0.5 + 1 + 2 = 5.5 GB.
+* ZeRO-3 offload: no model state on the device, ZeRO-3's bucket 1 and gathered parameters
+  2: 3 GB; the host the bf16 partition 2/8, its gradients and the masters' fp32 ones
+  (2 + 4)/8, moments 8/8, master 4/8: 0.25 + 0.75 + 1 + 0.5 = 2.5 GB per GPU.
+* FSDP2 full-shard offload: a count has no layers, so the whole model gathered in bf16 on
+  the device, 2 GB (a bound); the host the fp32 parameter and gradient shards 4/8 + 4/8
+  and the moments 8/8: 2 GB per GPU.
+
+Every plan here is given 1 TB of host memory per node (``--host-memory``), so that none
+depends on the machine's.
 """
 
 from __future__ import annotations
@@ -38,13 +47,15 @@ PSI = 10**9
 BY_HAND = {
     "ddp": 18 * GB, "zero1": 6.75 * GB, "zero2": 5.5 * GB, "fsdp2_shard_grad_op": 4 * GB,
     "fsdp2_full_shard": 2 * GB, "zero2_offload": 3.25 * GB, "zero3": 5.5 * GB,
+    "zero3_offload": 3 * GB, "fsdp2_full_shard_offload": 2 * GB,
 }  # fmt: skip
 COUNT = ModelSpec(name="1B", source="count", num_params=PSI)
 GATHERED_BY_HAND = 2 * GB  # ZeRO-3's gathered parameters, from the docstring's arithmetic
 
 
 def _count_inputs(**overrides) -> PlanInputs:
-    return PlanInputs(model=COUNT, reserve=0, headroom=0.0, **overrides)
+    settings = {"reserve": 0, "headroom": 0.0, "host_memory": 1000 * GB} | overrides
+    return PlanInputs(model=COUNT, **settings)
 
 
 def test_every_row_of_a_count_by_hand():
@@ -58,6 +69,13 @@ def test_every_row_of_a_count_by_hand():
         "grads": 0.5 * GB, "optimizer": 1 * GB, "master": 0.5 * GB, "buffers": 0.25 * GB,
     }  # fmt: skip
     assert offload.host_offload == 2.25 * GB
+    assert result.row("zero3_offload").host == {
+        "params": 0.25 * GB, "grads": 0.75 * GB, "optimizer": 1 * GB, "master": 0.5 * GB,
+        "buffers": 0,
+    }  # fmt: skip
+    assert result.row("fsdp2_full_shard_offload").host == {
+        "params": 0.5 * GB, "grads": 0.5 * GB, "optimizer": 1 * GB,
+    }  # fmt: skip
     assert (offload.optimizer, offload.master, offload.step_parts) == (0, 0, {})
     zero3 = result.row("zero3")
     assert zero3.buffer_parts == {
@@ -122,6 +140,7 @@ def test_cpu_adam_runs_only_offloaded_and_says_so():
     assert result.recommended == "zero2_offload"
     assert [r.strategy for r in result.rows if not r.applicable] == [
         "ddp", "zero1", "zero2", "zero3", "fsdp2_shard_grad_op", "fsdp2_full_shard",
+        "fsdp2_full_shard_offload",
     ]  # fmt: skip
     assert result.reason == (
         "--optimizer cpu_adam runs only with optimizer offload. Offload keeps ZeRO-2's "
@@ -130,6 +149,23 @@ def test_cpu_adam_runs_only_offloaded_and_says_so():
         "gradients and weights cross PCIe every step, so steps slow down."
     )
     assert result.largest_micro_batches["ddp"] is None
+
+
+def test_an_offload_the_host_cannot_hold_does_not_fit():
+    """--optimizer cpu_adam runs only under DeepSpeed's offloads, whose host needs per GPU
+    are 2.25 GB (ZeRO-2) and 2.5 GB (ZeRO-3) (the docstring). 16 GB of host memory over 8
+    GPUs is 2 GB each: neither fits, and the error names the host (2.5e9 B = 2.3 GiB,
+    2e9 B = 1.9 GiB, 16e9 B = 14.9 GiB). 19.2 GB (2.4 GB each) holds ZeRO-2 offload only."""
+    with pytest.raises(UsageError) as refused:
+        make_plan(_count_inputs(gpu_memory=100 * GB, optimizer="cpu_adam", host_memory=16 * GB))
+    assert (
+        "ZeRO-3 offload fits the GPU but keeps 2.3 GiB per GPU in host memory, over the "
+        "1.9 GiB usable per GPU (14.9 GiB per node, --host-memory"
+    ) in str(refused.value)
+    host = int(19.2 * GB)
+    result = make_plan(_count_inputs(gpu_memory=100 * GB, optimizer="cpu_adam", host_memory=host))
+    assert result.recommended == "zero2_offload"
+    assert not result.fits(result.row("zero3_offload"))
 
 
 def test_one_gpu_that_only_offload_fits_is_told_what_did_not_fit():

@@ -195,6 +195,7 @@ def test_a_zero2_run_resolves_every_field(tmp_path):
         "ds_config",
         "ds_config_path",
         "offload_optimizer",
+        "offload_param",
     }
     ds = resolution.settings.config
     assert ds["train_batch_size"] == 48 and ds["train_micro_batch_size_per_gpu"] == 8

@@ -89,13 +89,13 @@ def test_packaged_configs_are_the_repositorys():
     """dpkit reads its packaged copies at run time; users copy ds_configs/: the same files."""
     pairs = [
         (REPO / "ds_configs" / f"{name}.json", REPO / "dpkit/configs/deepspeed" / f"{name}.json")
-        for name in ("zero1", "zero2", "zero3")
+        for name in ("zero1", "zero2", "zero2_offload", "zero3", "zero3_offload")
     ]
     pairs += [
         (path, REPO / "dpkit/configs/accelerate" / path.name)
         for path in sorted((REPO / "ds_configs" / "accelerate").glob("*.yaml"))
     ]
-    assert len(pairs) == 9  # 3 DeepSpeed JSONs, 6 accelerate YAMLs
+    assert len(pairs) == 13  # 5 DeepSpeed JSONs, 8 accelerate YAMLs
     for user_copy, packaged in pairs:
         assert packaged.read_bytes() == user_copy.read_bytes(), f"{packaged} != {user_copy}"
 
