@@ -257,5 +257,6 @@ def test_dpkit_plan_against_the_offload_run(offload):
     for key in ("params", "grads", "optimizer", "master", "host master", "host buffers"):
         assert check.measured[key] == check.predicted[key] == 0, (key, table)
     assert set(check.not_checked) == {"buffers"}
-    assert "peak" in check.not_predicted
+    # On a CPU host and device are one RAM: the peak predicted with the host's shards in it.
+    assert abs(check.error_pct["peak"]) <= 5, table
     assert "host rows" in table and "same RAM" in table

@@ -100,6 +100,10 @@ class PeakView:
     on_gpu: bool = True
     """The collectives: NCCL on a GPU, gloo on a CPU (whose reduce-scatter works on a whole
     copy of its input)."""
+    host: Mapping[str, float] = field(default_factory=dict)
+    """What the backend keeps in host memory under offload, by category (``params``,
+    ``grads``, ``optimizer``, ``master``, ``buffers``): outside a GPU's peak, inside a CPU
+    run's (one RAM: :meth:`host_alive`)."""
 
     @property
     def optimizer_before_update(self) -> float:
@@ -109,6 +113,21 @@ class PeakView:
     @property
     def module_buffers(self) -> float:
         return float(self.buffer_parts.get("module_buffers", 0.0))
+
+    def host_alive(self, optimizer: bool, grads: bool = True) -> dict[str, float]:
+        """The host memory alive at a point, as parts named ``host <category>``, when host
+        and device are one RAM (a CPU run: its live bytes hold both); none on a GPU, whose
+        peak is the device's. ``optimizer``: whether the optimizer's state is alive there
+        (a lazy optimizer makes it inside its first update); ``grads``: whether the host
+        gradients are (False where the engine places them in time itself)."""
+        if self.on_gpu:
+            return {}
+        skipped = {c for c, alive in (("optimizer", optimizer), ("grads", grads)) if not alive}
+        return {
+            f"host {category}": float(value)
+            for category, value in self.host.items()
+            if value and category not in skipped
+        }
 
 
 @dataclass(frozen=True)

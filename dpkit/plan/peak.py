@@ -149,6 +149,7 @@ def step_peak(
             settings=settings,
             accumulation_steps=inputs.gradient_accumulation_steps,
             on_gpu=on_gpu,
+            host=row.host,
         )
 
     plan = engine_of(strategy).plan

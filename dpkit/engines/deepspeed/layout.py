@@ -280,3 +280,19 @@ def gradient_high_water(
             GradientHighWater(rank, max(backward.values()), max(step.values()), moment, partition)
         )
     return rows
+
+
+def largest_slice(groups: Sequence[Sequence[int]], world_size: int) -> int:
+    """Elements of the largest piece of one parameter inside one rank's partition, over
+    every rank and group (ZeRO-2 offload takes each piece's norm in fp64 as it copies it
+    to host memory)."""
+    largest = 0
+    for numels in groups:
+        size = _partition_size(numels, world_size)
+        offset = 0
+        for numel in numels:
+            for rank in range(world_size):
+                start, end = rank * size, (rank + 1) * size
+                largest = max(largest, min(end, offset + numel) - max(start, offset))
+            offset += numel
+    return largest

@@ -21,6 +21,7 @@ from dpkit.engines.deepspeed.layout import (
     gradient_high_water,
     group_order,
     largest_bucket_fill,
+    largest_slice,
     partition_group,
 )
 from dpkit.engines.roles.planned import PlanArithmetic
@@ -498,6 +499,9 @@ def zero3_peak_points(view: PeakView) -> list[PeakPoint]:
         "grad_partition": grad_partition,
         "persistent_small_tensors": parts.get("persistent_small_tensors", 0.0),
         "batch": trace.batch,
+        # Offload on a CPU (one RAM): the host's partitions, flat gradient buffer and the
+        # masters' gradients are alive all step.
+        **view.host_alive(optimizer=not view.first_step),
     }
     before = {"optimizer": view.optimizer_before_update} if view.optimizer_before_update else {}
     spec = view.spec
@@ -571,10 +575,76 @@ def zero3_peak_points(view: PeakView) -> list[PeakPoint]:
                 "grads": view.grads,
                 "optimizer": view.optimizer,
                 **view.optimizer_temporaries,
+                **view.host_alive(optimizer=True),
             },
         ),
     ]
     return points
+
+
+def offload_peak_points(view: PeakView) -> list[PeakPoint]:
+    """Where a ZeRO-2 offload step may peak (``stage_1_and_2.py`` under ``cpu_offload``,
+    DeepSpeed 0.19). On the device, all step: the module's parameters and the staging
+    buffer one gradient passes through on its way to host memory
+    (``temp_grad_buffer_for_gpu_offload``), with ``contiguous_gradients`` forced on the
+    reduce bucket. In backward the gradients that arrived wait in the bucket (at most one
+    bucket of them); a parameter over the bucket keeps its whole gradient until the end
+    of backward (the device grads). Reducing, each parameter's piece of the rank's
+    partition has its norm taken in fp64 (``source.data.to(get_norm_dtype()).norm(2)``,
+    ``copy_grads_in_partition``: a float64 copy of the piece, 8 bytes an element on any
+    device with fp64) before it is copied to host memory; the bucket's reduction holds its
+    flat copy. The step runs on the host (DeepSpeed's CPU Adam, in place); a lazy
+    optimizer makes its moments in the first update. MiniLM fp32 on 2 CPU processes,
+    step 1, rank 0: 445.3 MiB measured at the word embedding's norm (its 44.7 MiB whole
+    gradient beside the 86.5 MiB float64 copy of its 11.3M elements in rank 0's
+    partition).
+
+    Host memory is in a CPU run's peak (one RAM: :meth:`PeakView.host_alive`), not in a
+    GPU's."""
+    from dpkit.core.step import PeakPoint
+
+    trace = view.trace
+    parts = view.buffer_parts
+    held = {
+        "params": view.params,
+        "module_buffers": view.module_buffers,
+        "offload_device_staging": parts.get("offload_device_staging", 0.0),
+        "batch": trace.batch,
+        **view.host_alive(optimizer=not view.first_step),
+    }
+    bucket = {"reduce_bucket": parts.get("reduce_bucket", 0.0)}
+    waiting = min(
+        float(view.settings.get("reduce_bucket_size", 0)) * dtype_bytes(view.precision),
+        trace.grads_at_backward_high,
+    )
+    grads_whole = view.grads if view.grads_backward is None else view.grads_backward
+    norm_copy = 8.0 * largest_slice(view.spec.param_groups, view.world_size)
+    return [
+        PeakPoint(trace.forward_point, {**held, "activations": trace.forward_high}),
+        PeakPoint(
+            "backward",
+            {
+                **held,
+                **bucket,
+                "activations": trace.backward_high,
+                "grads_in_bucket": waiting,
+            },
+        ),
+        PeakPoint(
+            "gradient reduction",
+            {
+                **held,
+                **bucket,
+                "grads": grads_whole,
+                "reduce_flat_copy": parts.get("reduce_flat_copy", 0.0),
+            },
+        ),
+        PeakPoint(
+            "gradient reduction",
+            {**held, **bucket, "grads": grads_whole, "norm_fp64_copy": norm_copy},
+        ),
+        PeakPoint("optimizer step", {**held, **view.host_alive(optimizer=True)}),
+    ]
 
 
 def _accumulated_gradients(stage: int, view: PeakView) -> float:
@@ -710,9 +780,9 @@ class DeepSpeedPlan(PlanArithmetic):
     def peak_points(self, strategy: Strategy, view: PeakView) -> list[PeakPoint]:
         if strategy.zero_stage in (1, 2) and not strategy.offload:
             return peak_points(strategy.zero_stage, view)
-        if strategy.zero_stage == 3 and not strategy.offload:
+        if strategy.zero_stage == 3:
             return zero3_peak_points(view)
-        return super().peak_points(strategy, view)  # offload: states as counted
+        return offload_peak_points(view)
 
     def host_bytes(
         self, strategy: Strategy, inputs: PlanInputs, optimizer: str

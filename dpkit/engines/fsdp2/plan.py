@@ -172,7 +172,7 @@ def peak_points(
         return max(copy_in, 2 * padded) if not view.on_gpu else copy_in
 
     def grad_shard(shapes: list) -> float:
-        if offload:  # copied to host memory once reduced
+        if offload and view.on_gpu:  # copied to host memory once reduced
             return 0.0
         return float(layout.REDUCE_BYTES * layout.shard_numel(shapes, n))
 
@@ -191,6 +191,9 @@ def peak_points(
     }
     if view.optimizer_before_update:
         held["optimizer"] = view.optimizer_before_update
+    # Offload on a CPU (one RAM): the host's shards are in the peak; the gradient shards
+    # arrive one unit's reduce-scatter at a time (``grad_shard``), as without offload.
+    held.update(view.host_alive(optimizer=not view.first_step, grads=False))
     accumulating = view.accumulation_steps > 1
     if accumulating:
         held["accumulated_grad_shards"] = view.grads
@@ -306,6 +309,7 @@ def peak_points(
                 "grads": view.grads,
                 "optimizer": view.optimizer,
                 **view.optimizer_temporaries,
+                **view.host_alive(optimizer=True),
             },
         )
     )
