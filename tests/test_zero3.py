@@ -73,6 +73,30 @@ def test_zero3_memory_is_planned_as_measured(zero3):
     assert abs(check.error_pct["buffers"]) <= 10, check.error_pct
 
 
+def test_zero3_timeline_shows_the_gather_and_each_blocks_release(zero3):
+    """The timeline of ZeRO-3's watched step (step 2) shows DeepSpeed's gather and release
+    per block, in the gathered parameters (buffers). MiniLM's parameters over ZeRO-3's
+    persistence threshold (1e5 elements; the rest stay whole on every rank): the word
+    embedding 30,522 x 384, the position embedding 512 x 384, six layers of
+    4 x 384 x 384 + 2 x 384 x 1,536 = 1,769,472 weights each, the pooler 384 x 384:
+    22,681,344 elements, under the 5e7-element prefetch bucket, so the whole of them
+    arrives in one all-gather before the first layer; the backward releases one
+    layer's weights at the end of each layer's backward."""
+    report = json.loads((zero3.output_dir / "memory_report.json").read_text())
+    timeline = report["ranks"][0]["timeline"]
+    assert timeline["step"] == 2 and timeline["complete"]
+    points = timeline["points"]
+    layer = 4 * (4 * 384 * 384 + 2 * 384 * 1536)  # fp32 bytes
+    gathered = 4 * (30_522 * 384 + 512 * 384 + 6 * layer // 4 + 384 * 384)
+    assert gathered == 4 * 22_681_344
+    forward = [p["buffers"] for p in points if p["point"].startswith("forward block")]
+    rises = [b - a for a, b in zip(forward, forward[1:], strict=False) if b != a]
+    assert rises == [gathered], forward  # one gather, nothing released inside the forward
+    backward = [p["buffers"] for p in points if p["point"].startswith("backward block")]
+    drops = [a - b for a, b in zip(backward, backward[1:], strict=False)]
+    assert len(drops) >= 4 and all(d == layer for d in drops), drops
+
+
 def test_zero3_saved_model_and_consolidated_checkpoint_score_as_the_run(zero3, tmp_path):
     """The final model (gathered from the partitions) and ``dpkit consolidate`` of the
     step-6 sharded checkpoint, each scored by plain transformers, give the test loss the
