@@ -7,6 +7,8 @@ name, counted on the meta device; a live module; a run's record).
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,13 +182,12 @@ class PlanInputs:
         """Bytes per GPU a plan may use: the GPU less the headroom."""
         return self.gpu_memory * (1 - self.headroom)
 
-    @property
+    @functools.cached_property
     def host_per_node(self) -> int:
-        """Bytes of host memory per node: ``host_memory``, or this machine's."""
+        """Bytes of host memory per node: ``host_memory``, or this machine's (read once:
+        ``fits`` asks for every row)."""
         if self.host_memory is not None:
             return self.host_memory
-        import os
-
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
     @property
