@@ -77,6 +77,14 @@ def extensions_per_venv() -> None:
     key = hashlib.sha256(venv.encode()).hexdigest()[:12]
     default = Path.home() / ".cache" / "torch_extensions" / f"venv-{key}"
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(default))
+    # The same ninja here as in the launches (tests.harness puts the venv's bin first on
+    # their PATH): DeepSpeed depends on pip's ninja (1.13 here), the system may have another
+    # (1.11), and the two hash a build's commands differently, so each rebuilds what the
+    # other built: cpu_adam 41 to 128 s a time, three times in one launch suite (measured
+    # here from the folder's .ninja_log).
+    bin_dir = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"
 
 
 def keep_mutant_in_process() -> None:

@@ -220,8 +220,12 @@ def test_every_step_says_where_its_time_went(classification_bench):
         for record in _log(run_):
             phases = [record[phase] for phase in PHASES]
             assert min(phases) >= 0, (name, record)
-            # The Trainer's clock writes the record between the two clock reads.
-            assert sum(phases) == pytest.approx(record["step_time_s"], abs=0.02), (name, record)
+            # The Trainer's clock writes the record between the two clock reads: 20 ms, or
+            # 2.5% of a step on a loaded machine (measured 1.5%: 1.403 s of phases in a
+            # 1.382 s step while other launches ran). A phase missed or counted twice is
+            # 10% or more of these steps (forward, backward, grad_sync each).
+            slack = max(0.02, 0.025 * record["step_time_s"])
+            assert sum(phases) == pytest.approx(record["step_time_s"], abs=slack), (name, record)
             assert record["forward_s"] > 0 and record["backward_s"] > 0, (name, record)
             assert record["optimizer_s"] > 0, (name, record)
             # The backward pass's end was seen (a hook on the loss): clipping at least
