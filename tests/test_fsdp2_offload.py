@@ -4,9 +4,10 @@ device split as planned.
 
 One offload launch (2 processes, ``torchrun --strategy fsdp2_full_shard_offload``, the
 flags of tests/checkpoint_runs.py's ``fsdp2_shard_grad_op`` reference: 6 steps, 128
-samples, sequence length 32, micro-batch 16, dropout as the reference's; no checkpoints)
-is checked many ways, beside that shared reference. Resolution, the accelerate YAML and
-the plan's arithmetic are checked in process.
+samples, sequence length 32, micro-batch 16, dropout as the reference's; checkpoints at
+steps 3 and 6) is checked many ways, beside that shared reference; its step 3 is resumed
+by DDP, and ZeRO-2's step 3 under offload (two launches). Resolution, the accelerate YAML
+and the plan's arithmetic are checked in process.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from dpkit.core.spec import ModelSpec, PlanInputs
 from dpkit.engines import STRATEGIES
 from dpkit.errors import UsageError
 from dpkit.train.launcher import read_launch
-from tests.checkpoint_runs import CK_RUN, LOGS_ONLY
-from tests.harness import FSDP2_RTOL, REPO, max_rel_diff, run, torchrun_cmd
+from tests.checkpoint_runs import CK_RUN, LOGS_ONLY, step3
+from tests.harness import FSDP2_RTOL, REPO, max_rel_diff, run, saved_moments, torchrun_cmd
+from tests.test_checkpoint import moment_mismatches
 
 OFFLOAD = STRATEGIES["fsdp2_full_shard_offload"]
 FULL_SHARD = STRATEGIES["fsdp2_full_shard"]
@@ -187,9 +189,44 @@ def offload(module_tmp):
     out = module_tmp / "fsdp2_full_shard_offload"
     cmd = torchrun_cmd(
         2, *CK_RUN, "--strategy", "fsdp2_full_shard_offload", "--micro-batch-size", "16",
-        *LOGS_ONLY, "--output-dir", str(out),
+        "--no-save-model", "--output-dir", str(out),
     )  # fmt: skip
     return run(cmd, out).check()
+
+
+@pytest.mark.multiprocess
+def test_offload_checkpoint_resumes_as_ddp(offload, tmp_path):
+    """The offload run's step 3 (its shards saved from host memory), resumed by DDP on
+    the same 2 processes: steps 4-6 follow the uninterrupted offload run (dropout on: the
+    RNG streams are restored, and FSDP2 and DDP draw the same masks)."""
+    cmd = torchrun_cmd(
+        2, *CK_RUN, "--strategy", "ddp", "--micro-batch-size", "16", *LOGS_ONLY,
+        "--resume", str(step3(offload)), "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    resumed = run(cmd, tmp_path).check()
+    assert [r["step"] for r in resumed.train_log] == [4, 5, 6]
+    after = offload.losses[3:]
+    assert max_rel_diff(resumed.losses, after) <= FSDP2_RTOL, (resumed.losses, after)
+    assert max(after) - min(after) > 10 * FSDP2_RTOL * max(after)
+
+
+@pytest.mark.multiprocess
+def test_zero2_state_resumed_and_saved_by_fsdp2_offload_is_the_same_state(reference, tmp_path):
+    """ZeRO-2's step-3 checkpoint resumed under FSDP2 offload with --max-steps 3 (no step to
+    train): the final save, written from the host shards, holds every Adam moment of the
+    source bit for bit (tests/test_checkpoint.py shows the comparison catches a swap and
+    zeroes)."""
+    source = step3(reference("zero2"))
+    cmd = torchrun_cmd(
+        2, *CK_RUN, "--strategy", "fsdp2_full_shard_offload", "--micro-batch-size", "16",
+        "--dropout", "0", "--max-steps", "3", "--no-save-model", "--resume", str(source),
+        "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    resumed = run(cmd, tmp_path).check()
+    assert "trained 0 steps in" in resumed.output
+    expected = saved_moments(source)
+    assert len(expected) > 100 and all(len(m) == 2 for m in expected.values())
+    assert moment_mismatches(saved_moments(step3(resumed)), expected) == []
 
 
 @pytest.mark.multiprocess

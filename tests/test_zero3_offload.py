@@ -3,9 +3,11 @@ classification recipe: losses as ZeRO-3's, host and device memory planned = meas
 
 One offload run (2 processes, ``torchrun --strategy zero3_offload``, the flags of
 tests/checkpoint_runs.py's ``zero3_no_dropout``: 6 steps, 128 samples, sequence length
-32, micro-batch 16, dropout 0; no checkpoints or model saved) is checked many ways,
-beside that ZeRO-3 reference run (shared with tests/test_zero3.py). How a DeepSpeed JSON
-is named, what is refused, and the plan's arithmetic run in-process.
+32, micro-batch 16, dropout 0; checkpoints at steps 3 and 6, no model saved) is checked
+many ways, beside that ZeRO-3 reference run (shared with tests/test_zero3.py). Its step-3
+checkpoint is resumed by plain DDP on one process and consolidated; ZeRO-2's step 3 is
+resumed under offload (two launches). How a DeepSpeed JSON is named, what is refused,
+and the plan's arithmetic run in-process.
 """
 
 from __future__ import annotations
@@ -16,8 +18,18 @@ from pathlib import Path
 import pytest
 
 from dpkit.errors import UsageError
-from tests.checkpoint_runs import CK_RUN, LOGS_ONLY, NO_DROPOUT
-from tests.harness import REPO, max_rel_diff, run, torchrun_cmd
+from tests.checkpoint_runs import CK_RUN, LOGS_ONLY, NO_DROPOUT, launch_ck, step3
+from tests.harness import (
+    BIN,
+    REPO,
+    max_rel_diff,
+    run,
+    run_captured,
+    saved_moments,
+    saved_tensors,
+    torchrun_cmd,
+)
+from tests.test_checkpoint import moment_mismatches
 
 # Offload against ZeRO-3, same flags, fp32, no dropout. DeepSpeed's CPU Adam rounds its
 # update otherwise than torch's fused AdamW (tests/test_offload.py's control: 0.9% of one
@@ -35,9 +47,79 @@ def offload(module_tmp):
     out = module_tmp / "zero3_offload"
     cmd = torchrun_cmd(
         2, *CK_RUN, "--strategy", "zero3_offload", "--micro-batch-size", "16",
-        *NO_DROPOUT, *LOGS_ONLY, "--output-dir", str(out),
+        *NO_DROPOUT, "--no-save-model", "--output-dir", str(out),
     )  # fmt: skip
     return run(cmd, out).check()
+
+
+# Across world sizes the reduction order changes too: tests/test_zero3.py's tolerance.
+CROSS_RTOL = 2e-3
+
+
+@pytest.mark.multiprocess
+def test_zero3_offload_checkpoint_resumes_as_ddp_on_one_process(offload, tmp_path):
+    """The offload run's step 3 (fp32 masters and Adam moments saved from the host
+    partitions), resumed by plain DDP on one process with accumulation 2 (the same global
+    batch): steps 4-6 follow the uninterrupted offload run (fresh moments would not:
+    tests/test_offload.py's resume)."""
+    resumed = launch_ck(
+        "ddp", 1, tmp_path, "--micro-batch-size", "16", "--gradient-accumulation-steps", "2",
+        *NO_DROPOUT, *LOGS_ONLY, "--resume", str(step3(offload)),
+    )  # fmt: skip
+    assert "as ddp on 1 process(es)" in resumed.output
+    assert [r["step"] for r in resumed.train_log] == [4, 5, 6]
+    after = offload.losses[3:]
+    assert max_rel_diff(resumed.losses, after) < CROSS_RTOL, (resumed.losses, after)
+    assert max(after) - min(after) > 10 * CROSS_RTOL * max(after)
+
+
+@pytest.mark.multiprocess
+def test_zero2_state_resumed_and_saved_by_zero3_offload_is_the_same_state(reference, tmp_path):
+    """ZeRO-2's step-3 checkpoint resumed under ZeRO-3 offload with --max-steps 3 (no step
+    to train): the final save, written from the host partitions, holds every Adam moment of
+    the source bit for bit (tests/test_checkpoint.py shows the comparison catches a swap
+    and zeroes)."""
+    source = step3(reference("zero2"))
+    cmd = torchrun_cmd(
+        2, *CK_RUN, "--strategy", "zero3_offload", "--micro-batch-size", "16", *NO_DROPOUT,
+        "--max-steps", "3", "--no-save-model", "--resume", str(source),
+        "--output-dir", str(tmp_path),
+    )  # fmt: skip
+    resumed = run(cmd, tmp_path).check()
+    assert "trained 0 steps in" in resumed.output
+    expected = saved_moments(source)
+    assert len(expected) > 100 and all(len(m) == 2 for m in expected.values())
+    assert moment_mismatches(saved_moments(step3(resumed)), expected) == []
+
+
+@pytest.mark.multiprocess
+def test_zero3_offload_checkpoint_consolidates_to_its_fp32_masters(offload, tmp_path):
+    """``dpkit consolidate`` of the offload run's step 3: every weight of the model folder
+    equals the fp32 master the checkpoint holds for it, bit for bit (read by torch's own
+    converter of the checkpoint folder, not by dpkit)."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = tmp_path / "model"
+    checkpoint = step3(offload)
+    done = run_captured(
+        [str(BIN / "dpkit"), "consolidate", str(checkpoint), "--output-dir", str(out)]
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dpkit checkpoint at step 3 (zero3_offload, 2 processes)" in done.stdout
+    weights = {}
+    for shard in sorted(out.glob("*.safetensors")):
+        weights.update(load_file(str(shard)))
+    masters = {
+        key.removeprefix("model/"): value
+        for key, value in saved_tensors(checkpoint).items()
+        if key.startswith("model/")
+    }
+    assert len(masters) > 100
+    for name, master in masters.items():
+        assert name in weights, name
+        assert weights[name].dtype == torch.float32, name
+        assert torch.equal(weights[name].flatten(), master.flatten()), name
 
 
 @pytest.mark.multiprocess
