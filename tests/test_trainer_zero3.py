@@ -1,11 +1,12 @@
-"""The Transformers ``Trainer`` with dpkit's callback under DeepSpeed ZeRO-3 and ZeRO-2 offload.
+"""The Transformers ``Trainer`` with dpkit's callback under DeepSpeed ZeRO-3, ZeRO-2 offload
+and ZeRO-3 offload.
 
-Two launches of the real example (``recipes/trainer_finetune.py``: MiniLM, the embedded
+Three launches of the real example (``recipes/trainer_finetune.py``: MiniLM, the embedded
 Rotten Tomatoes, ``MemoryReportCallback``) on 2 CPU processes by the ``deepspeed``
-launcher, with the shipped ``ds_configs/zero3.json`` and ``ds_configs/zero2_offload.json``
-and tests/test_trainer.py's short flags (3 steps), each checked many ways: the model
-loaded partitioned under ZeRO-3 (DeepSpeed's own line) and counted whole, both runs'
-per-step losses equal, every model-state category (device and host) within 2% of
+launcher, with the shipped ``ds_configs/zero3.json``, ``ds_configs/zero2_offload.json``
+and ``ds_configs/zero3_offload.json`` and tests/test_trainer.py's short flags (3 steps),
+each checked many ways: the model loaded partitioned under ZeRO-3 (DeepSpeed's own line)
+and counted whole, the runs' per-step losses equal, every model-state category (device and host) within 2% of
 ``dpkit plan --against``, and against the bytes worked by hand, and the optimizer that
 ran under offload (the Trainer's torch AdamW: decoupled weight decay). In one process:
 the refusals (a ZeRO-3 model built before ``TrainingArguments``; accelerate's CPU Adam in
@@ -30,7 +31,11 @@ from tests.test_trainer import MIB, PSI, RECIPE, SHORT, plan_against
 # The per-step losses come from TensorBoard (float32; the printed log lines round to 4
 # digits), one per step.
 LOGGED = ["--logging_steps", "1", "--report_to", "tensorboard"]
-CONFIG = {"zero3": "ds_configs/zero3.json", "zero2_offload": "ds_configs/zero2_offload.json"}
+CONFIG = {
+    "zero3": "ds_configs/zero3.json",
+    "zero2_offload": "ds_configs/zero2_offload.json",
+    "zero3_offload": "ds_configs/zero3_offload.json",
+}
 MODEL_STATES = ("params", "grads", "optimizer", "master")
 # ZeRO-3 against ZeRO-2 offload, the same Trainer flags, fp32 (dropout on, the same seed):
 # each run is ZeRO-2's arithmetic but for the order of fp32 reductions and the
@@ -96,16 +101,20 @@ def test_zero3_trainer_loads_the_model_partitioned_and_counts_it_whole(runs):
 
 
 @pytest.mark.multiprocess
-def test_both_trainer_runs_train_and_give_the_same_losses(runs):
+def test_the_trainer_runs_train_and_give_the_same_losses(runs):
     zero3, offload = _losses(runs("zero3").check()), _losses(runs("zero2_offload").check())
-    assert all(math.isfinite(loss) for loss in zero3 + offload), (zero3, offload)
+    both = _losses(runs("zero3_offload").check())
+    assert all(math.isfinite(loss) for loss in zero3 + offload + both), (zero3, offload, both)
     assert max_rel_diff(zero3, offload) <= RTOL, (zero3, offload)
+    # ZeRO-3 offload: the Trainer's torch AdamW steps the host partitions (as ZeRO-2
+    # offload's): ZeRO-3's arithmetic.
+    assert max_rel_diff(zero3, both) <= RTOL, (zero3, both)
     # The trajectory moves more than the tolerance (other batches each step).
     assert max(zero3) - min(zero3) > 10 * RTOL * max(zero3), zero3
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["zero3", "zero2_offload"])
+@pytest.mark.parametrize("name", ["zero3", "zero2_offload", "zero3_offload"])
 def test_each_model_state_is_within_2pct_of_dpkit_plan_against_the_trainer_run(runs, name):
     runs(name).check()
     check = plan_against(runs(name).output_dir)
@@ -117,10 +126,13 @@ def test_each_model_state_is_within_2pct_of_dpkit_plan_against_the_trainer_run(r
         ), (category, check)
     # docs/plan.md's tolerance for buffers: 10% or 1 MiB.
     assert abs(predicted["buffers"] - measured["buffers"]) <= max(0.10 * measured["buffers"], MIB)
-    if name == "zero2_offload":
-        for category in ("grads", "optimizer", "master"):
+    if name.endswith("_offload"):
+        hosted = ("params", "grads", "optimizer", "master")[name == "zero2_offload" :]
+        for category in hosted:
             host = f"host {category}"
             assert abs(predicted[host] - measured[host]) <= 0.02 * measured[host], (host, check)
+        # On a CPU host and device are one RAM: the step's peak predicted with both in it.
+        assert abs(predicted["peak"] - measured["peak"]) <= 0.05 * measured["peak"], check
 
 
 @pytest.mark.multiprocess
@@ -131,6 +143,21 @@ def test_zero3_gathers_the_whole_model_for_the_step(runs):
     for row in _report(runs("zero3"))["ranks"]:
         gathered = row["buffers"]["zero3_gathered_params (whole until released)"]
         assert gathered == pytest.approx(4 * PSI, rel=1e-2), row["buffers"]
+
+
+@pytest.mark.multiprocess
+def test_zero3_offload_keeps_no_model_state_on_the_device(runs):
+    """ZeRO-3 offload under the Trainer: each rank's fp32 parameter partition, both AdamW
+    moments and the fp32 master in host memory (4, 8 and 4 bytes x PSI / 2), nothing of
+    them on the device; the Trainer's torch AdamW steps them."""
+    report = _report(runs("zero3_offload"))
+    assert (report["strategy"], report["offload_optimizer"]) == ("zero3_offload", "cpu")
+    assert report["optimizer_class"] == "AdamW", report["optimizer_class"]
+    for row in report["ranks"]:
+        assert row["params"] == row["grads"] == row["optimizer"] == row["master"] == 0
+        assert row["host"]["params"] == pytest.approx(4 * PSI / 2, rel=1e-3)
+        assert row["host"]["optimizer"] == pytest.approx(8 * PSI / 2, rel=1e-3)
+        assert row["host"]["master"] == pytest.approx(4 * PSI / 2, rel=1e-3)
 
 
 @pytest.mark.multiprocess
