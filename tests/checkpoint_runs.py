@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tests.harness import Launch, accelerate_cmd, python_cmd, run
+from tests.harness import Launch, accelerate_cmd, max_rel_diff, python_cmd, run, saved_moments
 
 CK_RUN = [
     "--max-steps", "6",
@@ -97,3 +97,33 @@ class ReferenceRuns:
 def step3(ref: Launch) -> Path:
     """The step-3 checkpoint of a reference run."""
     return ref.output_dir / "checkpoints" / "step-000003"
+
+
+def moment_mismatches(got: dict, expected: dict) -> list[str]:
+    """``name/moment`` of every Adam moment that is missing or not bit-identical."""
+    import torch
+
+    wrong = [name for name in expected if name not in got]
+    for name, moments in expected.items():
+        for key, value in moments.items():
+            if name in got and not torch.equal(got[name].get(key, torch.empty(0)), value):
+                wrong.append(f"{name}/{key}")
+    return wrong
+
+
+def assert_saved_again_unchanged(resumed: Launch, source: Path) -> None:
+    """``resumed`` loaded ``source`` and saved it with no step trained (``--max-steps 3``):
+    its step-3 save holds every Adam moment of ``source`` bit for bit."""
+    assert "trained 0 steps in" in resumed.output
+    expected = saved_moments(source)
+    assert len(expected) > 100 and all(len(m) == 2 for m in expected.values())
+    assert moment_mismatches(saved_moments(step3(resumed)), expected) == []
+
+
+def assert_follows(resumed: Launch, uninterrupted: Launch, rtol: float) -> None:
+    """``resumed`` (from step 3) trained steps 4-6 as ``uninterrupted`` did, within
+    ``rtol``; the control: those steps move more than 10x the tolerance."""
+    assert [r["step"] for r in resumed.train_log] == [4, 5, 6]
+    after = uninterrupted.losses[3:]
+    assert max_rel_diff(resumed.losses, after) <= rtol, (resumed.losses, after)
+    assert max(after) - min(after) > 10 * rtol * max(after)

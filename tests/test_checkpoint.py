@@ -26,6 +26,7 @@ from tests.checkpoint_runs import (
     REFERENCES,
     YAML,
     launch_ck,
+    moment_mismatches,
     step3,
 )
 from tests.harness import (
@@ -105,16 +106,6 @@ def _moments(checkpoint_dir: Path) -> dict[str, dict[str, torch.Tensor]]:
         saved = torch.load(checkpoint_dir / "optimizer.pt", map_location="cpu", weights_only=True)
         return {n: {k: v.flatten() for k, v in m.items()} for n, m in saved["moments"].items()}
     return saved_moments(checkpoint_dir)
-
-
-def moment_mismatches(got: dict, expected: dict) -> list[str]:
-    """``name/moment`` of every Adam moment that is missing or not bit-identical."""
-    wrong = [name for name in expected if name not in got]
-    for name, moments in expected.items():
-        for key, value in moments.items():
-            if name in got and not torch.equal(got[name].get(key, torch.empty(0)), value):
-                wrong.append(f"{name}/{key}")
-    return wrong
 
 
 @pytest.fixture(scope="module")
