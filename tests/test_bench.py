@@ -59,14 +59,21 @@ def test_settings_defaults_on_cpu():
     "argv, message",
     [
         (
-            ["--strategies", "ddp,zero3"],
-            "--strategies='ddp,zero3': dpkit bench does not run zero3 yet",
+            ["--strategies", "ddp,zero4"],
+            "--strategies='ddp,zero4': a list of distinct ddp, zero1, zero2, zero2_offload, "
+            "zero3, zero3_offload, fsdp2_shard_grad_op, fsdp2_full_shard, "
+            "fsdp2_full_shard_offload$",
         ),
         (["--strategies", "ddp,ddp"], "--strategies"),
         (
             ["--workload", "classification", "--strategies", "ddp,fsdp2_full_shard"],
             "--strategies='ddp,fsdp2_full_shard': the classification workload's Trainer "
-            "baseline runs ddp, zero1, zero2; FSDP2 runs in --workload lm$",
+            "baseline runs ddp, zero1, zero2; the others run in --workload lm$",
+        ),
+        (
+            ["--workload", "classification", "--strategies", "zero3"],
+            "--strategies='zero3': the classification workload's Trainer baseline runs ddp, "
+            "zero1, zero2; the others run in --workload lm$",
         ),
         (["--size", "huge"], "--size"),
         (["--warmup", "0"], "--warmup"),
@@ -81,6 +88,89 @@ def test_settings_defaults_on_cpu():
 def test_bad_settings_are_refused_before_launching(argv, message):
     with pytest.raises(UsageError, match=message):
         bench_cli.bench_settings(_args(*argv), gpu_count=0)
+
+
+# What each new strategy's bare twin is launched with, written out: the DeepSpeed twin at
+# the strategy's stage, offloading where the strategy does; the FSDP2 twin resharding
+# after the forward (full-shard) with torch's CPUOffloadPolicy.
+BARE_TWINS = {
+    "zero3": ("deepspeed", ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", "3"]),
+    "zero2_offload": (
+        "deepspeed",
+        ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", "2", "--offload", "true"],
+    ),
+    "zero3_offload": (
+        "deepspeed",
+        ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", "3", "--offload", "true"],
+    ),
+    "fsdp2_full_shard_offload": (
+        "torchrun",
+        ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", "true",
+         "--offload", "true"],
+    ),  # fmt: skip
+}
+
+
+def test_zero3_and_the_offloads_run_when_named_each_beside_its_bare_twin(tmp_path):
+    """Named, ZeRO-3 and the offloads run as the default strategies do: dpkit's recipe
+    under accelerate with the strategy's YAML, then the bare twin; the default bench
+    does not grow."""
+    names = ",".join(BARE_TWINS)
+    settings = bench_cli.bench_settings(_args("--strategies", names), gpu_count=0)
+    assert settings["strategies"] == list(BARE_TWINS)
+    phases = {p.name: p for p in bench.plan_phases(settings, tmp_path)}
+    assert list(phases) == [
+        "zero3", "bare_zero3", "zero2_offload", "bare_zero2_offload",
+        "zero3_offload", "bare_zero3_offload",
+        "fsdp2_full_shard_offload", "bare_fsdp2_full_shard_offload", "floor", "collectives",
+    ]  # fmt: skip
+    for name, (launcher, module) in BARE_TWINS.items():
+        dpkit_run, bare = phases[name], phases[f"bare_{name}"]
+        assert dpkit_run.launcher == "accelerate launch" and not dpkit_run.bare
+        config = dpkit_run.cmd[dpkit_run.cmd.index("--config_file") + 1]
+        assert Path(config).name == f"{name}.yaml"
+        assert bare.bare and bare.launcher == launcher and bare.strategy.name == name
+        start = bare.cmd.index("--module")
+        assert bare.cmd[start : start + len(module)] == module, bare.cmd
+        # Only the offload strategies' twins offload.
+        assert ("--offload" in bare.cmd) == name.endswith("_offload")
+    assert bench_cli.bench_settings(_args(), gpu_count=0)["strategies"] == [
+        "ddp", "zero1", "zero2", "fsdp2_shard_grad_op", "fsdp2_full_shard"
+    ]  # fmt: skip
+
+
+def test_the_bare_deepspeed_twin_writes_what_a_deepspeed_user_writes():
+    from dpkit.bench.bare_deepspeed import BareOptions, bare_ds_config
+
+    common = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 8,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000,
+    }
+    written = {
+        (stage, offload): bare_ds_config(BareOptions(stage, offload), 4, 2, 1.0, bf16=False)
+        for stage in (1, 2, 3)
+        for offload in (False, True)
+    }
+    for stage in (1, 2, 3):
+        assert written[stage, False] == {**common, "zero_optimization": {"stage": stage}}
+    # Offload: the optimizer on the CPU at every stage, the parameters too at stage 3.
+    assert written[2, True]["zero_optimization"] == {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}
+    }  # fmt: skip
+    assert written[3, True] == {
+        **common,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+    }
+    bf16 = bare_ds_config(BareOptions(3, True), 4, 2, 1.0, bf16=True)
+    assert bf16["bf16"] == {"enabled": True}
 
 
 def test_zero_overrides_parse_json_values():

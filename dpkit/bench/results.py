@@ -136,6 +136,10 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         entry["peak_kind"] = headline
         entry["buffer_holders"] = row.get("buffers", {})
         entry["grads_partition"] = gradient_partition_bytes(row)
+        # What an offload keeps in host memory, by category; the figures above are the
+        # device's (0 without offload, and before the report recorded it).
+        entry["host"] = {c: float(v) for c, v in (row.get("host") or {}).items()}
+        entry["host_total"] = float(row.get("host_total") or 0.0)
         ranks.append(entry)
     worst = max(ranks, key=lambda r: r["total"])
     peaks = [r["peak_bytes"] for r in ranks if r["peak_bytes"] is not None]
@@ -149,6 +153,7 @@ def summarize_memory(report: dict[str, Any]) -> dict[str, Any]:
         "per_rank": {c: worst[c] for c in (*CATEGORIES, "total")},
         "peak_bytes": max(peaks) if peaks else None,
         "peak_kind": worst["peak_kind"],
+        "host_bytes": max(r["host_total"] for r in ranks),
         "predicted": report["predicted"],
         "settings": report.get("settings", {}),
         "residuals": report.get("residuals", []),
