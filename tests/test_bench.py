@@ -105,8 +105,14 @@ BARE_TWINS = {
     ),
     "fsdp2_full_shard_offload": (
         "torchrun",
-        ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", "true",
-         "--offload", "true"],
+        [
+            "--module",
+            "dpkit.bench.bare_fsdp2",
+            "--reshard-after-forward",
+            "true",
+            "--offload",
+            "true",
+        ],
     ),  # fmt: skip
 }
 
