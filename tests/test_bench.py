@@ -443,3 +443,56 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         assert len(pattern["times_s"]) == comm["repeats"]
         assert pattern["median_s"] > 0 and pattern["calls"] >= 1
     assert "Communication of one step, each pattern timed alone" in table
+
+
+# The strategies benched only when named, each beside its bare twin (BARE_TWINS above).
+NAMED_ONLY = ("zero3", "zero2_offload", "zero3_offload", "fsdp2_full_shard_offload")
+
+
+@pytest.mark.multiprocess
+def test_zero3_and_the_offloads_bench_beside_their_twins(tmp_path):
+    """One tiny bench of ZeRO-3 and the three offloads, two steps (the warm-up one holds
+    the memory probes, the second shows the first update): every strategy trains the
+    losses of its bare twin, all from the same first loss (the same init, ZeRO-3's built
+    under zero.Init included), and the offloads report what they keep in host memory."""
+    from tests import harness
+
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "dpkit.cli", "bench", "--strategies", ",".join(NAMED_ONLY),
+        "--nproc", str(NPROC), "--size", "tiny", "--synthetic", "--seq-len", str(SEQ_LEN),
+        "--warmup", "1", "--steps", "1", "--output-dir", str(out),
+    ]  # fmt: skip
+    launch = harness.run(cmd, out, timeout=1800)
+    assert launch.returncode == 0, launch.output[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    runs, comparison = results["runs"], results["comparison"]
+    assert results["strategies"] == list(NAMED_ONLY) and set(comparison) == set(NAMED_ONLY)
+    raw_losses = {name: [x["loss"] for x in _raw_log(r["run_dir"])] for name, r in runs.items()}
+    psi, _, _ = _tiny_gpt2_counts()
+    first = raw_losses["zero3"][0]
+    for name in NAMED_ONLY:
+        bare = bench.bare_run_name(name)
+        assert len(raw_losses[name]) == 2 == len(raw_losses[bare]), name
+        deviation = max_rel_diff(raw_losses[bare], raw_losses[name])
+        assert deviation < LOSS_RTOL, (name, raw_losses[name], raw_losses[bare])
+        assert comparison[name]["bare_loss_max_rel_dev"] == pytest.approx(deviation, abs=1e-12)
+        assert abs(raw_losses[name][0] - first) < LOSS_RTOL * first, (name, raw_losses[name])
+        assert runs[name]["run_info"]["strategy"] == name
+        assert comparison[name]["dpkit_over_bare_step_time"] > 0
+        # Host memory: at least AdamW's two fp32 moments of a 1/N partition under offload
+        # (8 B x Psi / N); nothing without it.
+        host = runs[name]["memory"]["host_bytes"]
+        if name.endswith("_offload"):
+            assert host >= 8 * psi / NPROC * (1 - 1e-3), (name, host)
+        else:
+            assert host == 0, (name, host)
+    # The bare DeepSpeed twins offload where their strategy does, parameters at stage 3.
+    zero = {n: runs[bench.bare_run_name(n)]["ds_config"]["zero_optimization"]
+            for n in ("zero3", "zero2_offload", "zero3_offload")}  # fmt: skip
+    assert zero["zero3"] == {"stage": 3}
+    assert zero["zero2_offload"] == {"stage": 2, "offload_optimizer": {"device": "cpu"}}
+    assert zero["zero3_offload"] == {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}
+    }  # fmt: skip
+    assert "Host memory per rank (offload, largest rank)" in (out / "results.md").read_text()

@@ -529,6 +529,26 @@ def test_the_tune_tries_every_strategy_the_recipes_run_by_default():
     }  # fmt: skip
 
 
+def test_the_command_line_names_the_fallbacks_or_none():
+    import argparse
+
+    from dpkit.tune.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = config_from_args(parser.parse_args([]))
+    assert list(default.strategies) == LEAST_SHARDING_FIRST
+    assert sorted(default.fallback_strategies) == sorted(FALLBACKS)
+    assert (
+        config_from_args(parser.parse_args(["--fallback-strategies", "none"])).fallback_strategies
+        == ()
+    )
+    named = config_from_args(
+        parser.parse_args(["--strategies", "ddp,zero3", "--fallback-strategies", "zero3_offload"])
+    )
+    assert (named.strategies, named.fallback_strategies) == (("ddp", "zero3"), ("zero3_offload",))
+
+
 def test_the_fallbacks_are_every_micro_batch_of_zero3_and_the_offloads_once():
     known: set[str] = set()
     found = [c.name for c in space.fallback_round(_settings(), known)]
