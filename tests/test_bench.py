@@ -179,6 +179,17 @@ def test_the_bare_deepspeed_twin_writes_what_a_deepspeed_user_writes():
     assert bf16["bf16"] == {"enabled": True}
 
 
+def test_an_offload_runs_model_states_are_checked_where_they_live():
+    """ZeRO-3 and FSDP2 offload keep no model state on the device: the plan's device total
+    has no error to check (None), its host total has; the optimizer ratio counts both."""
+    row = {"plan_error_pct": None, "plan_host_error_pct": -0.0005, "optimizer_ratio_vs_ddp": 0.5}
+    found = {c["check"]: c["ok"] for c in bench_results.checks({"zero3_offload": row}, 2)}
+    assert found == {
+        "optimizer bytes per rank = DDP/2": True,
+        "host model states within 10% of dpkit plan (error %)": True,
+    }
+
+
 def test_zero_overrides_parse_json_values():
     settings = bench_cli.bench_settings(
         _args("--zero-override", "overlap_comm=true", "--zero-override", "reduce_bucket_size=5e8"),
