@@ -59,14 +59,21 @@ def test_settings_defaults_on_cpu():
     "argv, message",
     [
         (
-            ["--strategies", "ddp,zero3"],
-            "--strategies='ddp,zero3': dpkit bench does not run zero3 yet",
+            ["--strategies", "ddp,zero4"],
+            "--strategies='ddp,zero4': a list of distinct ddp, zero1, zero2, zero2_offload, "
+            "zero3, zero3_offload, fsdp2_shard_grad_op, fsdp2_full_shard, "
+            "fsdp2_full_shard_offload$",
         ),
         (["--strategies", "ddp,ddp"], "--strategies"),
         (
             ["--workload", "classification", "--strategies", "ddp,fsdp2_full_shard"],
             "--strategies='ddp,fsdp2_full_shard': the classification workload's Trainer "
-            "baseline runs ddp, zero1, zero2; FSDP2 runs in --workload lm$",
+            "baseline runs ddp, zero1, zero2; the others run in --workload lm$",
+        ),
+        (
+            ["--workload", "classification", "--strategies", "zero3"],
+            "--strategies='zero3': the classification workload's Trainer baseline runs ddp, "
+            "zero1, zero2; the others run in --workload lm$",
         ),
         (["--size", "huge"], "--size"),
         (["--warmup", "0"], "--warmup"),
@@ -81,6 +88,106 @@ def test_settings_defaults_on_cpu():
 def test_bad_settings_are_refused_before_launching(argv, message):
     with pytest.raises(UsageError, match=message):
         bench_cli.bench_settings(_args(*argv), gpu_count=0)
+
+
+# What each new strategy's bare twin is launched with, written out: the DeepSpeed twin at
+# the strategy's stage, offloading where the strategy does; the FSDP2 twin resharding
+# after the forward (full-shard) with torch's CPUOffloadPolicy.
+BARE_TWINS = {
+    "zero3": ("deepspeed", ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", "3"]),
+    "zero2_offload": (
+        "deepspeed",
+        ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", "2", "--offload", "true"],
+    ),
+    "zero3_offload": (
+        "deepspeed",
+        ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", "3", "--offload", "true"],
+    ),
+    "fsdp2_full_shard_offload": (
+        "torchrun",
+        [
+            "--module",
+            "dpkit.bench.bare_fsdp2",
+            "--reshard-after-forward",
+            "true",
+            "--offload",
+            "true",
+        ],
+    ),  # fmt: skip
+}
+
+
+def test_zero3_and_the_offloads_run_when_named_each_beside_its_bare_twin(tmp_path):
+    """Named, ZeRO-3 and the offloads run as the default strategies do: dpkit's recipe
+    under accelerate with the strategy's YAML, then the bare twin; the default bench
+    does not grow."""
+    names = ",".join(BARE_TWINS)
+    settings = bench_cli.bench_settings(_args("--strategies", names), gpu_count=0)
+    assert settings["strategies"] == list(BARE_TWINS)
+    phases = {p.name: p for p in bench.plan_phases(settings, tmp_path)}
+    assert list(phases) == [
+        "zero3", "bare_zero3", "zero2_offload", "bare_zero2_offload",
+        "zero3_offload", "bare_zero3_offload",
+        "fsdp2_full_shard_offload", "bare_fsdp2_full_shard_offload", "floor", "collectives",
+    ]  # fmt: skip
+    for name, (launcher, module) in BARE_TWINS.items():
+        dpkit_run, bare = phases[name], phases[f"bare_{name}"]
+        assert dpkit_run.launcher == "accelerate launch" and not dpkit_run.bare
+        config = dpkit_run.cmd[dpkit_run.cmd.index("--config_file") + 1]
+        assert Path(config).name == f"{name}.yaml"
+        assert bare.bare and bare.launcher == launcher and bare.strategy.name == name
+        start = bare.cmd.index("--module")
+        assert bare.cmd[start : start + len(module)] == module, bare.cmd
+        # Only the offload strategies' twins offload.
+        assert ("--offload" in bare.cmd) == name.endswith("_offload")
+    assert bench_cli.bench_settings(_args(), gpu_count=0)["strategies"] == [
+        "ddp", "zero1", "zero2", "fsdp2_shard_grad_op", "fsdp2_full_shard"
+    ]  # fmt: skip
+
+
+def test_the_bare_deepspeed_twin_writes_what_a_deepspeed_user_writes():
+    from dpkit.bench.bare_deepspeed import BareOptions, bare_ds_config
+
+    common = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": 8,
+        "gradient_clipping": 1.0,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 1_000_000,
+    }
+    written = {
+        (stage, offload): bare_ds_config(BareOptions(stage, offload), 4, 2, 1.0, bf16=False)
+        for stage in (1, 2, 3)
+        for offload in (False, True)
+    }
+    for stage in (1, 2, 3):
+        assert written[stage, False] == {**common, "zero_optimization": {"stage": stage}}
+    # Offload: the optimizer on the CPU at every stage, the parameters too at stage 3.
+    assert written[2, True]["zero_optimization"] == {
+        "stage": 2, "offload_optimizer": {"device": "cpu"}
+    }  # fmt: skip
+    assert written[3, True] == {
+        **common,
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": {"device": "cpu"},
+            "offload_param": {"device": "cpu"},
+        },
+    }
+    bf16 = bare_ds_config(BareOptions(3, True), 4, 2, 1.0, bf16=True)
+    assert bf16["bf16"] == {"enabled": True}
+
+
+def test_an_offload_runs_model_states_are_checked_where_they_live():
+    """ZeRO-3 and FSDP2 offload keep no model state on the device: the plan's device total
+    has no error to check (None), its host total has; the optimizer ratio counts both."""
+    row = {"plan_error_pct": None, "plan_host_error_pct": -0.0005, "optimizer_ratio_vs_ddp": 0.5}
+    found = {c["check"]: c["ok"] for c in bench_results.checks({"zero3_offload": row}, 2)}
+    assert found == {
+        "optimizer bytes per rank = DDP/2": True,
+        "host model states within 10% of dpkit plan (error %)": True,
+    }
 
 
 def test_zero_overrides_parse_json_values():
@@ -347,3 +454,59 @@ def test_tiny_bench_results_are_consistent(tmp_path, wheel_env):
         assert len(pattern["times_s"]) == comm["repeats"]
         assert pattern["median_s"] > 0 and pattern["calls"] >= 1
     assert "Communication of one step, each pattern timed alone" in table
+
+
+# Of the strategies benched only when named (zero3, zero2_offload, zero3_offload,
+# fsdp2_full_shard_offload), the two whose bare twins take every new path: stage 3 built
+# under zero.Init with both offloads, and fully_shard with CPUOffloadPolicy. The other
+# twins' command lines and configs are checked in process above (4 launches, not 8:
+# the CI's time).
+NAMED_ONLY = ("zero3_offload", "fsdp2_full_shard_offload")
+
+
+@pytest.mark.multiprocess
+def test_zero3_and_the_offloads_bench_beside_their_twins(tmp_path):
+    """One tiny bench of ZeRO-3 offload and FSDP2 offload, two steps (the warm-up one holds
+    the memory probes, the second shows the first update): each trains the losses of its
+    bare twin, both from the same first loss (the same init, ZeRO-3's built under
+    zero.Init included), and both report what they keep in host memory."""
+    from tests import harness
+
+    out = tmp_path / "bench"
+    cmd = [
+        sys.executable, "-m", "dpkit.cli", "bench", "--strategies", ",".join(NAMED_ONLY),
+        "--nproc", str(NPROC), "--size", "tiny", "--synthetic", "--seq-len", str(SEQ_LEN),
+        "--warmup", "1", "--steps", "1", "--output-dir", str(out),
+    ]  # fmt: skip
+    launch = harness.run(cmd, out, timeout=1800)
+    assert launch.returncode == 0, launch.output[-6000:]
+    results = json.loads((out / "results.json").read_text())
+    runs, comparison = results["runs"], results["comparison"]
+    assert results["strategies"] == list(NAMED_ONLY) and set(comparison) == set(NAMED_ONLY)
+    raw_losses = {name: [x["loss"] for x in _raw_log(r["run_dir"])] for name, r in runs.items()}
+    psi, _, _ = _tiny_gpt2_counts()
+    first = raw_losses["zero3_offload"][0]
+    for name in NAMED_ONLY:
+        bare = bench.bare_run_name(name)
+        assert len(raw_losses[name]) == 2 == len(raw_losses[bare]), name
+        deviation = max_rel_diff(raw_losses[bare], raw_losses[name])
+        assert deviation < LOSS_RTOL, (name, raw_losses[name], raw_losses[bare])
+        assert comparison[name]["bare_loss_max_rel_dev"] == pytest.approx(deviation, abs=1e-12)
+        assert abs(raw_losses[name][0] - first) < LOSS_RTOL * first, (name, raw_losses[name])
+        assert runs[name]["run_info"]["strategy"] == name
+        assert comparison[name]["dpkit_over_bare_step_time"] > 0
+        # Host memory: at least AdamW's two fp32 moments of a 1/N partition under offload
+        # (8 B x Psi / N); nothing without it.
+        host = runs[name]["memory"]["host_bytes"]
+        if name.endswith("_offload"):
+            assert host >= 8 * psi / NPROC * (1 - 1e-3), (name, host)
+        else:
+            assert host == 0, (name, host)
+    # The bare DeepSpeed twins offload where their strategy does, parameters at stage 3.
+    zero = {"zero3_offload": runs[bench.bare_run_name("zero3_offload")]["ds_config"][
+        "zero_optimization"
+    ]}  # fmt: skip
+    assert zero["zero3_offload"] == {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}
+    }  # fmt: skip
+    assert "Host memory per rank (offload, largest rank)" in (out / "results.md").read_text()

@@ -381,7 +381,8 @@ def test_an_exported_yaml_says_how_to_launch_it_from_where_it_lands(tmp_path, mo
     yamls = sorted((tmp_path / "exported" / "accelerate").glob("*.yaml"))
     assert [p.name for p in yamls] == [
         "ddp.yaml", "fsdp2_full_shard.yaml", "fsdp2_full_shard_offload.yaml",
-        "fsdp2_shard_grad_op.yaml", "zero1.yaml", "zero2.yaml", "zero3.yaml", "zero3_offload.yaml",
+        "fsdp2_shard_grad_op.yaml", "zero1.yaml", "zero2.yaml", "zero2_offload.yaml", "zero3.yaml",
+        "zero3_offload.yaml",
     ]  # fmt: skip
     for path in yamls:
         comments = [line for line in path.read_text().splitlines() if line.lstrip().startswith("#")]

@@ -95,7 +95,7 @@ def test_packaged_configs_are_the_repositorys():
         (path, REPO / "dpkit/configs/accelerate" / path.name)
         for path in sorted((REPO / "ds_configs" / "accelerate").glob("*.yaml"))
     ]
-    assert len(pairs) == 13  # 5 DeepSpeed JSONs, 8 accelerate YAMLs
+    assert len(pairs) == 14  # 5 DeepSpeed JSONs, 9 accelerate YAMLs
     for user_copy, packaged in pairs:
         assert packaged.read_bytes() == user_copy.read_bytes(), f"{packaged} != {user_copy}"
 

@@ -437,9 +437,14 @@ def test_a_failed_trial_is_recorded_and_sigterm_stops_after_the_running_one(tmp_
         ),
         ([], [*LM_ARGS, "--micro-batch-size", "8"], "dpkit tune sets --micro-batch-size"),
         (
-            ["--strategies", "ddp,zero3"],
+            ["--strategies", "ddp,zero4"],
             LM_ARGS,
-            "strategies='ddp,zero3': dpkit tune does not try zero3 yet",
+            "strategies='ddp,zero4': zero4 is not run by dpkit's recipes",
+        ),
+        (
+            ["--fallback-strategies", "zero3,zero3"],
+            LM_ARGS,
+            "fallback_strategies='zero3,zero3': listed twice",
         ),
         (
             ["--strategies", "fsdp2_full_shard", "--zero-bucket-sizes", "4194304"],

@@ -470,17 +470,19 @@ def test_without_ddp_at_the_same_micro_batch_the_nearest_is_the_reference():
     ("config", "message"),
     [
         (
-            {"strategies": ("ddp", "zero3")},
-            "strategies='ddp,zero3': dpkit tune does not try zero3 yet (the recipes run it); "
-            "a list of ddp, zero1, zero2, fsdp2_shard_grad_op, fsdp2_full_shard",
-        ),
-        (
-            {"strategies": ("ddp", "zero2_offload")},
-            "strategies='ddp,zero2_offload': dpkit tune does not try zero2_offload yet (the "
-            "recipes run it); a list of ddp, zero1, zero2, fsdp2_shard_grad_op, fsdp2_full_shard",
+            {"strategies": ("ddp", "zero4")},
+            "strategies='ddp,zero4': zero4 is not run by dpkit's recipes; a list of ddp, zero1, "
+            "zero2, zero2_offload, zero3, zero3_offload, fsdp2_shard_grad_op, "
+            "fsdp2_full_shard, fsdp2_full_shard_offload",
         ),
         ({"strategies": ("fsdp2_full_shard",) * 2}, "listed twice"),
-        ({"baseline_strategy": "zero2_offload"}, "baseline_strategy='zero2_offload': one of"),
+        ({"baseline_strategy": "zero4"}, "baseline_strategy='zero4': one of"),
+        (
+            {"fallback_strategies": ("zero3", "zero4")},
+            "fallback_strategies='zero3,zero4': zero4 is not one of ddp, zero1, zero2, "
+            "zero2_offload, zero3, zero3_offload, fsdp2_shard_grad_op",
+        ),
+        ({"fallback_strategies": ("zero3", "zero3")}, "fallback_strategies='zero3,zero3': listed"),
         (
             {"strategies": ("ddp", "fsdp2_shard_grad_op"), "zero_bucket_sizes": (2**22,)},
             "zero_bucket_sizes=(4194304,): no DeepSpeed strategy among "
@@ -498,13 +500,125 @@ def test_a_bad_config_is_refused_when_built(config, message):
         TuneConfig(**config)
 
 
+# What pays in speed for memory, tried only where nothing lighter fits, in the order the
+# tune tries them (dpkit plan's: what stays on the device first, then the offloads).
+FALLBACKS = ["zero3", "zero2_offload", "zero3_offload", "fsdp2_full_shard_offload"]
+
+
 def test_the_tune_tries_every_strategy_the_recipes_run_by_default():
-    assert list(TuneConfig().strategies) == LEAST_SHARDING_FIRST
+    """By default the five that keep their state on the device without ZeRO-3's gathers;
+    ZeRO-3 and the offloads are fallbacks, and any of them can be named."""
+    config = TuneConfig()
+    assert list(config.strategies) == LEAST_SHARDING_FIRST
+    assert sorted(config.fallback_strategies) == sorted(FALLBACKS)
     config = TuneConfig(
         strategies=("fsdp2_full_shard", "fsdp2_shard_grad_op"),
         baseline_strategy="fsdp2_full_shard",
     )
     assert config.baseline_strategy == "fsdp2_full_shard"
+    named = TuneConfig(strategies=("ddp", "zero3", "zero2_offload"), baseline_strategy="zero3")
+    assert named.strategies == ("ddp", "zero3", "zero2_offload")
+    # Named, a fallback is in the first round; it is not tried again as a fallback.
+    settings = _settings(strategies=("ddp", "zero3_offload"))
+    assert [c.name for c in space.first_round(settings)] == [
+        "ddp-mb4x1", "ddp-mb2x2", "ddp-mb1x4",
+        "zero3_offload-mb4x1", "zero3_offload-mb2x2", "zero3_offload-mb1x4",
+    ]  # fmt: skip
+    assert {c.strategy for c in space.fallback_round(settings, set())} == {
+        "zero3", "zero2_offload", "fsdp2_full_shard_offload"
+    }  # fmt: skip
+
+
+def test_the_command_line_names_the_fallbacks_or_none():
+    import argparse
+
+    from dpkit.tune.cli import add_arguments, config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = config_from_args(parser.parse_args([]))
+    assert list(default.strategies) == LEAST_SHARDING_FIRST
+    assert sorted(default.fallback_strategies) == sorted(FALLBACKS)
+    assert (
+        config_from_args(parser.parse_args(["--fallback-strategies", "none"])).fallback_strategies
+        == ()
+    )
+    named = config_from_args(
+        parser.parse_args(["--strategies", "ddp,zero3", "--fallback-strategies", "zero3_offload"])
+    )
+    assert (named.strategies, named.fallback_strategies) == (("ddp", "zero3"), ("zero3_offload",))
+
+
+def test_the_fallbacks_are_every_micro_batch_of_zero3_and_the_offloads_once():
+    known: set[str] = set()
+    found = [c.name for c in space.fallback_round(_settings(), known)]
+    assert found == [f"{name}-mb{m}x{4 // m}" for name in FALLBACKS for m in (4, 2, 1)]
+    assert known == set(found)
+    assert space.fallback_round(_settings(), known) == []  # known by now
+    assert space.fallback_round(_settings(fallback_strategies=()), set()) == []
+    on = space.fallback_round(_settings(gradient_checkpointing="on"), set())
+    assert on[0].name == "zero3-mb4x1-ckpt" and all(c.gradient_checkpointing for c in on)
+    both = [c.name for c in space.fallback_round(_settings(gradient_checkpointing="both"), set())]
+    assert both[:2] == ["zero3-mb4x1", "zero3-mb4x1-ckpt"] and len(both) == 24
+
+
+def test_the_tuner_adds_the_fallbacks_only_where_nothing_measured_fits():
+    """Every trial over the budget or out of memory: the fallbacks follow. One that fits,
+    or a failure that is not a memory matter, and none is tried."""
+    from dpkit.tune.run import _Stop, _Tuner
+
+    def tuner_with(*trials: Trial) -> _Tuner:
+        tuner = _Tuner(replace_budget(_settings(gradient_checkpointing="off"), 150.0), {}, _Stop())
+        tuner.trials = list(trials)
+        tuner.known = {t.name for t in trials}
+        return tuner
+
+    oom = Trial(space.Candidate("zero1", 4, 1), status=FAILED,
+                reason="exit code 1; torch.OutOfMemoryError: CUDA out of memory.")  # fmt: skip
+    over = _trial("ddp", 4, 1.0, memory=200.0)
+    fallbacks = tuner_with(over, oom).fallbacks_where_nothing_fits()
+    assert [t.name for t in fallbacks] == [
+        f"{name}-mb{m}x{4 // m}" for name in FALLBACKS for m in (4, 2, 1)
+    ]
+    assert (
+        tuner_with(over, oom, _trial("zero2", 4, 1.0, memory=100.0)).fallbacks_where_nothing_fits()
+        == []
+    )
+    crash = Trial(space.Candidate("zero2", 4, 1), status=FAILED, reason="exit code 1; KeyError")
+    assert tuner_with(over, crash).fallbacks_where_nothing_fits() == []
+    # No budget: nothing is over it, and a default tune on a model that fits stays as it is.
+    tuner = _Tuner(_settings(gradient_checkpointing="off"), {}, _Stop())
+    tuner.trials = [_trial("ddp", 4, 1.0, memory=1e12)]
+    assert tuner.fallbacks_where_nothing_fits() == []
+
+
+def test_the_plan_brings_in_the_fallbacks_only_where_it_prunes_every_lighter_candidate():
+    """A CUDA budget of 45 MiB for the tiny GPT-2 at micro-batch 4: dpkit plan puts every
+    default candidate over it by more than its error bound; the fallbacks are predicted
+    next, and what they keep on the device decides (FSDP2's offload keeps the least).
+    With room for everything, the first round is the five strategies' fifteen."""
+    from dataclasses import replace
+
+    from dpkit.tune.run import _Stop, _Tuner
+    from dpkit.tune.trials import PRUNED
+
+    settings = replace(
+        _lm_settings("tiny", device="cuda"), config=TuneConfig(gradient_checkpointing="off")
+    )
+    roomy = _Tuner(replace_budget(settings, 2.0**40), {}, _Stop()).first_round()
+    assert [t.name for t in roomy] == [c.name for c in space.first_round(settings)]
+    assert len(roomy) == 15 and not any(t.status == PRUNED for t in roomy)
+
+    tight = _Tuner(replace_budget(settings, 45 * 2.0**20), {}, _Stop()).first_round()
+    names = [t.name for t in tight]
+    fallback_names = [f"{name}-mb{m}x{4 // m}" for name in FALLBACKS for m in (4, 2, 1)]
+    assert names[:15] == [t.name for t in roomy] and names[15:] == fallback_names
+    assert all(t.status == PRUNED for t in tight[:15])
+    assert [t.name for t in tight if t.status != PRUNED] == [
+        "fsdp2_full_shard_offload-mb4x1",
+        "fsdp2_full_shard_offload-mb2x2",
+        "fsdp2_full_shard_offload-mb1x4",
+    ]
 
 
 def test_flag_values_parse_or_name_the_flag():
@@ -565,6 +679,7 @@ SHAPES_THE_TRIAL_CANDIDATE = {
 # What only chooses candidates or judges trials: the same trial is reused.
 JUDGES_ONLY_CONFIG = {
     "strategies": ("ddp", "zero2"),
+    "fallback_strategies": ("zero3",),
     "micro_batch_size": 1,
     "gradient_accumulation_steps": 2,
     "baseline_strategy": "zero2",

@@ -1,6 +1,7 @@
-"""``dpkit bench``: DDP, ZeRO-1 and ZeRO-2 side by side, each through a real launcher.
+"""``dpkit bench``: DDP, ZeRO and FSDP2 side by side, each through a real launcher.
 
     dpkit bench                                   # CPU: 2 processes, ~23M-param GPT-2 shape
+    dpkit bench --strategies zero3,zero2_offload,zero3_offload,fsdp2_full_shard_offload
     dpkit bench --nproc 4 --synthetic --output-dir bench_results/cpu4
     dpkit bench --size gpt2-medium --strategies zero1,zero2   # GPUs: all of them by default
     dpkit bench --zero-override overlap_comm=true --zero-override reduce_bucket_size=5e8
@@ -28,7 +29,7 @@ from datetime import datetime
 from pathlib import Path
 
 from dpkit.bench.launch import DEFAULT_LAUNCH_TIMEOUT_S
-from dpkit.engines import BENCHABLE, RUNNABLE, TRAINER_STRATEGIES
+from dpkit.engines import BENCHABLE, BENCHED_BY_DEFAULT, RUNNABLE, TRAINER_STRATEGIES
 from dpkit.errors import UsageError
 
 # Not 4: on the 2-core CPU machine the default bench at 4 processes took 13.7 min
@@ -44,6 +45,8 @@ WORKLOADS = ("lm", "classification")
 # four identical 40-step runs on this machine spread from 76 to 90 s.
 CLASSIFICATION_STRATEGIES = "ddp,zero2"
 BENCHED_NAMES = tuple(s.name for s in BENCHABLE)
+# ZeRO-3 and the offloads run when named: the default bench keeps its five strategies.
+DEFAULT_NAMES = tuple(s.name for s in BENCHED_BY_DEFAULT)
 CLASSIFICATION_REPEATS = 3
 CLASSIFICATION_MICRO_BATCH = 32
 CLASSIFICATION_SEQ_LEN = 128
@@ -115,8 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--strategies",
         default=None,
-        help=f"comma-separated: {names} (default: all for lm; {CLASSIFICATION_STRATEGIES} for "
-        "classification, which runs DDP and ZeRO only)",
+        help=f"comma-separated: {names} (default for lm: {','.join(DEFAULT_NAMES)}, ZeRO-3 "
+        f"and the offloads when named; {CLASSIFICATION_STRATEGIES} for classification, which "
+        "runs DDP and ZeRO only)",
     )
     parser.add_argument(
         "--no-bare",
@@ -174,7 +178,7 @@ def _parse_strategies(text: str, classification: bool) -> list[str]:
     if classification and any(n in BENCHED_NAMES and n not in allowed for n in names):
         raise UsageError(
             f"--strategies={text!r}: the classification workload's Trainer baseline runs "
-            f"{', '.join(allowed)}; FSDP2 runs in --workload lm"
+            f"{', '.join(allowed)}; the others run in --workload lm"
         )
     not_benched = [n for n in names if n in {s.name for s in RUNNABLE} - set(BENCHED_NAMES)]
     if not_benched:
@@ -230,7 +234,7 @@ def bench_settings(args: argparse.Namespace, gpu_count: int) -> dict:
     strategies = _parse_strategies(
         args.strategies
         if args.strategies is not None
-        else (CLASSIFICATION_STRATEGIES if classification else ",".join(BENCHED_NAMES)),
+        else (CLASSIFICATION_STRATEGIES if classification else ",".join(DEFAULT_NAMES)),
         classification,
     )
     if args.steps < 1:

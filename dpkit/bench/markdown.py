@@ -183,6 +183,20 @@ def _gradient_lines(results: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _host_lines(results: dict[str, Any]) -> list[str]:
+    """What each offloading strategy keeps in host memory (its largest rank): the
+    strategy table's bytes are the device's."""
+    runs = results["runs"]
+    held = [
+        f"{s.label} {mib(runs[s.name]['memory'].get('host_bytes') or 0.0)} MiB"
+        for s in result_strategies(results)
+        if s.offload
+    ]
+    if not held:
+        return []
+    return ["", f"Host memory per rank (offload, largest rank): {', '.join(held)}."]
+
+
 def _checkpointing_lines(results: dict[str, Any]) -> list[str]:
     """``--gradient-checkpointing``: each strategy's run against its checkpointed twin."""
     rows = results.get("checkpointing")
@@ -472,6 +486,7 @@ def format_markdown(results: dict[str, Any]) -> str:
             *_header(results),
             *_strategy_table(results),
             *_gradient_lines(results),
+            *_host_lines(results),
             *_checkpointing_lines(results),
             *_run_table(results),
             *_phase_table(results),

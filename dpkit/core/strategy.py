@@ -37,8 +37,13 @@ class Strategy:
     runnable: bool = True
     """dpkit's recipes run it; ``False``: ``dpkit plan`` shows it for reference."""
     benched: bool = True
-    """``dpkit tune`` and ``dpkit bench`` try it (a runnable strategy whose bare twin is
-    not written yet: ``False``)."""
+    """``dpkit bench`` can run it beside a bare twin and ``dpkit tune`` can try it (a
+    runnable strategy whose bare twin is not written yet: ``False``)."""
+    memory_fallback: bool = False
+    """Paid for in speed to save memory beyond what the lighter strategies save (ZeRO-3's
+    per-layer gathers under DeepSpeed, host traffic and a CPU step under offload):
+    ``dpkit tune`` tries it only where no lighter candidate fits the budget, and ``dpkit
+    bench`` runs it only when ``--strategies`` names it."""
     summary: str = ""
     """What it holds per rank, in a few words."""
 

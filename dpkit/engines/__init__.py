@@ -41,13 +41,20 @@ least sharding first, then FSDP2."""
 RUNNABLE: tuple[Strategy, ...] = tuple(s for s in STRATEGIES.values() if s.runnable)
 """The strategies the recipes run."""
 BENCHABLE: tuple[Strategy, ...] = tuple(s for s in RUNNABLE if s.benched)
-"""The strategies ``dpkit tune`` and ``dpkit bench`` try (not yet ZeRO-3: its bare
-DeepSpeed twin must build the model under ``zero.Init`` as the recipes do)."""
+"""The strategies ``dpkit bench`` can run beside a bare twin and ``dpkit tune`` can try
+when named (every runnable one, ZeRO-3 and the offloads included)."""
+BENCHED_BY_DEFAULT: tuple[Strategy, ...] = tuple(s for s in BENCHABLE if not s.memory_fallback)
+"""What ``dpkit bench`` runs without ``--strategies`` and ``dpkit tune`` tries first: DDP,
+ZeRO-1, ZeRO-2, FSDP2's two modes. The rest (:data:`MEMORY_FALLBACKS`) pay in speed for
+memory, so they run when named or, in a tune, when nothing lighter fits."""
+MEMORY_FALLBACKS: tuple[Strategy, ...] = tuple(s for s in BENCHABLE if s.memory_fallback)
+"""ZeRO-3 and the offloads (:attr:`Strategy.memory_fallback`): benched only when named,
+tuned only where no candidate of :data:`BENCHED_BY_DEFAULT` fits the budget."""
 REFERENCE: Strategy = DDP_ENGINE.strategies[0]
 """Full replication: what every saving is measured against and every loss compared with."""
 TRAINER_STRATEGIES: tuple[Strategy, ...] = (
     REFERENCE,
-    *(s for s in DEEPSPEED_ENGINE.strategies if s in BENCHABLE and not s.offload),
+    *(s for s in DEEPSPEED_ENGINE.strategies if s in BENCHED_BY_DEFAULT),
 )
 """The strategies the Transformers ``Trainer`` baseline of ``dpkit bench --workload
 classification`` runs (the Trainer's FSDP path needs accelerator devices)."""
@@ -82,7 +89,9 @@ def offloaded(strategy: Strategy) -> Strategy:
 
 __all__ = [
     "BENCHABLE",
+    "BENCHED_BY_DEFAULT",
     "ENGINES",
+    "MEMORY_FALLBACKS",
     "REFERENCE",
     "RUNNABLE",
     "STRATEGIES",

@@ -19,7 +19,14 @@ import shlex
 import sys
 
 from dpkit.errors import UsageError
-from dpkit.tune.config import CHECKPOINTING_MODES, DEFAULT_RECIPE, TUNABLE, TuneConfig
+from dpkit.tune.config import (
+    CHECKPOINTING_MODES,
+    DEFAULT_RECIPE,
+    DEFAULT_STRATEGIES,
+    FALLBACK_STRATEGIES,
+    TUNABLE,
+    TuneConfig,
+)
 
 
 def _sizes(text: str, flag: str) -> tuple[int, ...]:
@@ -56,7 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--nproc", type=int, default=None, help="processes (default: GPUs, or 2)")
     parser.add_argument(
-        "--strategies", default=names, help=f"comma-separated, of {names} (default: all)"
+        "--strategies",
+        default=",".join(DEFAULT_STRATEGIES),
+        help=f"comma-separated, of {names} (default: {','.join(DEFAULT_STRATEGIES)})",
+    )
+    parser.add_argument(
+        "--fallback-strategies",
+        default=",".join(FALLBACK_STRATEGIES),
+        help="tried only where no candidate of --strategies fits the memory budget, as "
+        f"checkpointing is under auto; 'none': never (default: {','.join(FALLBACK_STRATEGIES)})",
     )
     parser.add_argument(
         "--micro-batch-size",
@@ -157,6 +172,9 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
         recipe_args=tuple(recipe_args),
         nproc=args.nproc,
         strategies=tuple(s.strip() for s in args.strategies.split(",") if s.strip()),
+        fallback_strategies=()
+        if args.fallback_strategies.strip() == "none"
+        else tuple(s.strip() for s in args.fallback_strategies.split(",") if s.strip()),
         micro_batch_size=args.micro_batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         baseline_strategy=args.baseline_strategy,

@@ -17,7 +17,15 @@ from pathlib import Path
 from typing import Any
 
 from dpkit import resources
-from dpkit.engines import BENCHABLE, ENGINES, RUNNABLE, engine_of, get_strategy
+from dpkit.engines import (
+    BENCHABLE,
+    BENCHED_BY_DEFAULT,
+    ENGINES,
+    MEMORY_FALLBACKS,
+    RUNNABLE,
+    engine_of,
+    get_strategy,
+)
 from dpkit.errors import UsageError
 
 DEFAULT_RECIPE = "train_lm.py"
@@ -40,8 +48,15 @@ CHECKPOINTING_MODES = ("auto", "off", "on", "both")
 """How the tune searches activation checkpointing (:data:`TuneConfig.gradient_checkpointing`)."""
 CHECKPOINTING_FLAG = "gradient-checkpointing"
 TUNABLE = tuple(s.name for s in BENCHABLE)
-"""The strategies a tune may try: those dpkit's recipes run (DDP, ZeRO-1, ZeRO-2,
-FSDP2 shard-grad-op, FSDP2 full-shard; not yet ZeRO-3), least sharding first."""
+"""The strategies a tune may try: every one dpkit's recipes run, ZeRO-3 and the
+offloads included."""
+DEFAULT_STRATEGIES = tuple(s.name for s in BENCHED_BY_DEFAULT)
+"""What a tune tries by default: DDP, ZeRO-1, ZeRO-2, FSDP2 shard-grad-op, FSDP2
+full-shard, least sharding first."""
+FALLBACK_STRATEGIES = tuple(s.name for s in MEMORY_FALLBACKS)
+"""What a tune tries only where nothing lighter fits the budget: ZeRO-2 offload, ZeRO-3,
+ZeRO-3 offload, FSDP2 full-shard offload (each pays in speed for memory: per-layer
+gathers, or host traffic and a CPU optimizer step)."""
 
 
 def _flag_name(text: str) -> str:
@@ -61,9 +76,14 @@ class TuneConfig:
     """Arguments every trial passes to the recipe (the model, data, precision...)."""
     nproc: int | None = None
     """Processes per trial (default: every GPU, or 2 on CPU)."""
-    strategies: tuple[str, ...] = TUNABLE
-    """The strategies tried (default: all of :data:`TUNABLE`, FSDP2's two modes included:
-    an FSDP2 trial costs about what a ZeRO one does, docs/tune.md)."""
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    """The strategies tried (default: :data:`DEFAULT_STRATEGIES`, FSDP2's two modes
+    included: an FSDP2 trial costs about what a ZeRO one does, docs/tune.md); any of
+    :data:`TUNABLE`, ZeRO-3 and the offloads too."""
+    fallback_strategies: tuple[str, ...] = FALLBACK_STRATEGIES
+    """Tried only where no candidate of ``strategies`` fits (every one predicted over the
+    budget, measured over it, or out of memory), as ``auto`` checkpointing is; one named
+    in ``strategies`` too is tried from the start; ``()``: never."""
     micro_batch_size: int | None = None
     """The current configuration's micro-batch (default: the recipe's own default)."""
     gradient_accumulation_steps: int = 1
@@ -130,6 +150,16 @@ class TuneConfig:
             )
         if len(set(self.strategies)) != len(self.strategies):
             raise UsageError(f"strategies={','.join(self.strategies)!r}: listed twice")
+        self.fallback_strategies = tuple(self.fallback_strategies)
+        fallbacks = ",".join(self.fallback_strategies)
+        unknown = [name for name in self.fallback_strategies if name not in TUNABLE]
+        if unknown:
+            raise UsageError(
+                f"fallback_strategies={fallbacks!r}: {unknown[0]} is not one of "
+                f"{', '.join(TUNABLE)}"
+            )
+        if len(set(self.fallback_strategies)) != len(self.fallback_strategies):
+            raise UsageError(f"fallback_strategies={fallbacks!r}: listed twice")
         if self.baseline_strategy not in TUNABLE:
             raise UsageError(
                 f"baseline_strategy={self.baseline_strategy!r}: one of {', '.join(TUNABLE)}"

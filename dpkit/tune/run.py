@@ -150,11 +150,32 @@ class _Tuner:
     def first_round(self) -> list[Trial]:
         """The first round, predicted; under ``gradient_checkpointing="auto"`` followed by
         the checkpointed twin of every candidate the plan pruned (itself predicted, and
-        pruned too where it does not fit either)."""
+        pruned too where it does not fit either). Where the plan prunes every one of them,
+        the fallback strategies (ZeRO-3, the offloads) follow, predicted the same way."""
         first = self.predict(space.first_round(self.settings))
         self.known = {t.name for t in first}
-        pruned = [t.candidate for t in first if t.status == PRUNED]
-        return first + self.predict(space.checkpointed_twins(pruned, self.known, self.settings))
+        first += self._twins_of_pruned(first)
+        if all(t.status == PRUNED for t in first):
+            fallbacks = self.predict(space.fallback_round(self.settings, self.known))
+            first += fallbacks + self._twins_of_pruned(fallbacks)
+        return first
+
+    def _twins_of_pruned(self, trials: list[Trial]) -> list[Trial]:
+        pruned = [t.candidate for t in trials if t.status == PRUNED]
+        return self.predict(space.checkpointed_twins(pruned, self.known, self.settings))
+
+    def fallbacks_where_nothing_fits(self) -> list[Trial]:
+        """After the first round and its twins: where every candidate was pruned, measured
+        over the budget or ran out of memory, the fallback strategies' candidates not tried
+        yet, predicted (with the twins of those the plan prunes, under ``auto``); else
+        none. A trial that failed otherwise, or was not run, says nothing of memory."""
+        not_fitting = {c.name for c in self.did_not_fit()}
+        if not self.trials or not all(
+            t.status == PRUNED or t.name in not_fitting for t in self.trials
+        ):
+            return []
+        fallbacks = self.predict(space.fallback_round(self.settings, self.known))
+        return fallbacks + self._twins_of_pruned(fallbacks)
 
     def twins_of_what_did_not_fit(self) -> list[Trial]:
         """After the first round, under ``auto``: the checkpointed twins, predicted, of the
@@ -180,7 +201,9 @@ class _Tuner:
         candidates: list[space.Candidate] = []
         if not self.settings.config.zero_variants:
             return candidates
-        for strategy in self.settings.config.strategies:
+        tried = {t.candidate.strategy for t in self.trials}
+        fallbacks = [n for n in self.settings.config.fallback_strategies if n in tried]
+        for strategy in dict.fromkeys([*self.settings.config.strategies, *fallbacks]):
             if not engine_of(strategy).tunable:
                 continue
             ran = [
@@ -243,6 +266,14 @@ def run_tune(config: TuneConfig, command: str | None = None) -> dict[str, Any]:
         tuner.bar = tqdm(total=len(first), desc="tune", unit="trial", file=sys.stderr)
         try:
             tuner.measure(first)
+            later = tuner.twins_of_what_did_not_fit()
+            tuner.bar.total += len(later)
+            tuner.bar.refresh()
+            tuner.measure(later)
+            fallbacks = tuner.fallbacks_where_nothing_fits()
+            tuner.bar.total += len(fallbacks)
+            tuner.bar.refresh()
+            tuner.measure(fallbacks)
             later = tuner.twins_of_what_did_not_fit()
             tuner.bar.total += len(later)
             tuner.bar.refresh()

@@ -10,6 +10,11 @@ Two rounds, so the default tune stays within minutes:
    FSDP2 has no such settings (``fully_shard`` all-gathers and reduce-scatters one unit,
    a transformer layer, at a time): it has no second round.
 
+ZeRO-3 and the offloads (``TuneConfig.fallback_strategies``) buy memory with speed: by
+default they are tried only where no candidate of the first round fits
+(:func:`fallback_round`), as a checkpointed twin is; named in ``strategies`` they are
+tried from the start.
+
 Activation checkpointing is a dimension of the first round (``TuneConfig.gradient_
 checkpointing``). By default (``auto``) a candidate is tried checkpointed only where it
 does not fit plain (predicted over the budget, measured over it, or out of memory): at
@@ -139,14 +144,11 @@ def baseline(settings: TuneSettings) -> Candidate:
     )
 
 
-def first_round(settings: TuneSettings) -> list[Candidate]:
-    """Every strategy at every micro-batch; the baseline first, then least sharding first
-    (:attr:`Candidate.sharding_rank`: DDP, the reference of the losses, leads), largest
-    micro-batches first. Checkpointed as ``gradient_checkpointing`` says: ``on`` every
-    candidate, ``both`` each also right after its plain twin; ``auto`` and ``off`` none
-    here (``auto`` adds :func:`checkpointed_twins` once the budget is known to bite)."""
+def _every_micro_batch(settings: TuneSettings, strategies: tuple[str, ...]) -> list[Candidate]:
+    """``strategies`` at every micro-batch, least sharding first, largest micro-batches
+    first; checkpointed when every candidate is (``gradient_checkpointing="on"``)."""
     mode = settings.config.gradient_checkpointing
-    ordered = sorted(
+    return sorted(
         (
             Candidate(
                 name,
@@ -154,15 +156,45 @@ def first_round(settings: TuneSettings) -> list[Candidate]:
                 settings.per_rank_batch // micro,
                 gradient_checkpointing=mode == "on",
             )
-            for name in settings.config.strategies
+            for name in strategies
             for micro in settings.micro_batch_sizes
         ),
         key=lambda c: (c.sharding_rank, -c.micro_batch_size),
     )
-    first = baseline(settings)
-    candidates = [first, *(c for c in ordered if c != first)]
-    if mode == "both":
+
+
+def _with_twins(settings: TuneSettings, candidates: list[Candidate]) -> list[Candidate]:
+    """Under ``gradient_checkpointing="both"`` each candidate followed by its checkpointed
+    twin; ``candidates`` as they are otherwise."""
+    if settings.config.gradient_checkpointing == "both":
         return [twin for c in candidates for twin in (c, c.checkpointed())]
+    return candidates
+
+
+def first_round(settings: TuneSettings) -> list[Candidate]:
+    """Every strategy at every micro-batch; the baseline first, then least sharding first
+    (:attr:`Candidate.sharding_rank`: DDP, the reference of the losses, leads), largest
+    micro-batches first. Checkpointed as ``gradient_checkpointing`` says: ``on`` every
+    candidate, ``both`` each also right after its plain twin; ``auto`` and ``off`` none
+    here (``auto`` adds :func:`checkpointed_twins` once the budget is known to bite)."""
+    ordered = _every_micro_batch(settings, settings.config.strategies)
+    first = baseline(settings)
+    return _with_twins(settings, [first, *(c for c in ordered if c != first)])
+
+
+def fallback_round(settings: TuneSettings, known: set[str]) -> list[Candidate]:
+    """Where no candidate of the first round fits (the caller says when): the fallback
+    strategies (``TuneConfig.fallback_strategies``: ZeRO-3 and the offloads, which pay in
+    speed for memory) not among the first round's, at every micro-batch, least sharding
+    first, checkpointed as the first round is; none already known by name (added to
+    ``known``)."""
+    config = settings.config
+    names = tuple(n for n in config.fallback_strategies if n not in config.strategies)
+    candidates = []
+    for candidate in _with_twins(settings, _every_micro_batch(settings, names)):
+        if candidate.name not in known:
+            candidates.append(candidate)
+            known.add(candidate.name)
     return candidates
 
 

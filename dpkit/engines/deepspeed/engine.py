@@ -83,17 +83,19 @@ ZERO2_OFFLOAD = Strategy(
     "deepspeed",
     2,
     offload=True,
-    benched=False,
+    memory_fallback=True,
     summary="ZeRO-2 with optimizer state and master weights in host memory",
 )
-ZERO3 = Strategy("zero3", "ZeRO-3", "deepspeed", 3, benched=False, summary="parameters sharded too")
+ZERO3 = Strategy(
+    "zero3", "ZeRO-3", "deepspeed", 3, memory_fallback=True, summary="parameters sharded too"
+)
 ZERO3_OFFLOAD = Strategy(
     "zero3_offload",
     "ZeRO-3 offload",
     "deepspeed",
     3,
     offload=True,
-    benched=False,
+    memory_fallback=True,
     summary="ZeRO-3 with parameter partitions, optimizer state and master weights in host memory",
 )
 
@@ -510,6 +512,8 @@ class DeepSpeedEngine(Engine):
     def bare_baseline(self, strategy: Strategy) -> tuple[str, str, list[str]]:
         stage = str(strategy.zero_stage)
         module = ["--module", "dpkit.bench.bare_deepspeed", "--zero-stage", stage]
+        if strategy.offload:
+            module += ["--offload", "true"]
         return "deepspeed", "--num_gpus", module
 
     @property

@@ -137,8 +137,7 @@ FSDP2_FULL_SHARD_OFFLOAD = Strategy(
     3,
     offload=True,
     reshard_after_forward=True,
-    # dpkit bench's bare FSDP2 twin (dpkit/bench/bare_fsdp2.py) does not offload yet.
-    benched=False,
+    memory_fallback=True,
     summary="FSDP2 full-shard with sharded parameters, gradients and optimizer state in host "
     "memory (torch CPUOffloadPolicy); the optimizer steps on the CPU",
 )
@@ -299,6 +298,8 @@ class FSDP2Engine(Engine):
     def bare_baseline(self, strategy: Strategy) -> tuple[str, str, list[str]]:
         reshard = str(strategy.reshard_after_forward).lower()
         module = ["--module", "dpkit.bench.bare_fsdp2", "--reshard-after-forward", reshard]
+        if strategy.offload:
+            module += ["--offload", "true"]
         return "torchrun", "--nproc_per_node", module
 
     @property
