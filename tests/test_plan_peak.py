@@ -263,6 +263,13 @@ MEASURED = {
     "G124 ddp": ("gpt2_124m", "ddp", 2, 128, {}, 1_991_041_636, "after update"),
     "G124 zero2": ("gpt2_124m", "zero2", 2, 128, {}, 1_492_796_432, "optimizer step"),
     "G124 fsdp2": ("gpt2_124m", "fsdp2_full_shard", 2, 128, {}, 1_071_210_508, "backward"),
+    # G124 under torchrun --nproc_per_node 4: ranks 2 and 3 peak in the embeddings' backward
+    # (the tied embedding's two contributions and their sum beside their partition buffer,
+    # reduced already): 1,094,855,952 predicted without that point (-10.3%).
+    "G124x4 zero2": ("gpt2_124m", "zero2", 2, 128, {"ranks": 4}, 1_220_760_848, "gradient reduction"),
+    # G124 with --memory-probe-steps 2 (step 2, AdamW's state alive): rank 1 at the same
+    # point, 1,748,101,808 predicted without it (-11.1%).
+    "G124 zero2 step 2": ("gpt2_124m", "zero2", 2, 128, {"step": 2}, 1_965_763_096, "gradient reduction"),
     # G124 with --strategy zero3 (step 2: a model over stage3_prefetch_bucket_size)
     "G124 zero3": ("gpt2_124m", "zero3", 2, 128, {"step": 2}, 2_214_814_232, "backward"),
     # ZeRO-3, measured at its step 2 (peak_live watches it: step 1 records the module
@@ -283,6 +290,11 @@ MEASURED = {
     # --micro_batch_size 1 --gradient_accumulation_steps 2). A tied embedding: its head
     # contribution waits in autograd through the blocks' backward (+6.0% / +6.9% when
     # it was counted as a stored root gradient there).
+    # ZeRO-2 peaks in the embeddings' backward: the tied embedding's two contributions and
+    # their sum beside the partition buffer (and, "ga", what the first micro-batch
+    # accumulated): 350,433,280 predicted at the reduction without that point (-7.8%).
+    "TUNE zero2": ("tune_lm", "zero2", 2, 32, {"step": 2}, 332_764_184, "backward"),
+    "TUNE zero2 ga": ("tune_lm", "zero2", 1, 32, {"step": 2, "ga": 2}, 380_031_772, "backward"),
     "TUNE fsdp2 shard-grad-op": (
         "tune_lm", "fsdp2_shard_grad_op", 2, 32, {"step": 2}, 285_947_452, "backward",
     ),

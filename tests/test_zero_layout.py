@@ -13,8 +13,10 @@ from hypothesis import strategies as st
 from dpkit.engines.deepspeed.layout import (
     gradient_high_water,
     partition_group,
+    reduces_on_arrival,
     stage1_contiguous_reduction,
     stage2_contiguous_backward,
+    stage2_held_before,
 )
 
 MIB = 2**20
@@ -160,6 +162,54 @@ def test_zero2_contiguous_holds_the_gradient_whose_arrival_reduces_a_bucket():
     )
     # [2, 8, 2]: each rank's whole is 10; the 8, last, reduces [2, 2] while alive.
     assert [r.backward for r in late] == [10 + 8, 10 + 8]
+
+
+def test_zero2_before_a_late_embedding_holds_the_partitions_reduced_already():
+    # A tied embedding first in the model: [8, 2, 2, 2, 2], N=2, one group of 16:
+    # partitions [0, 8) (the embedding alone) and [8, 16). Backward stores the four 2s
+    # (arrival: 4, 3, 2, 1), then the embedding (0) last. Bucket 4: the 2s fill it twice.
+    groups = [[8, 2, 2, 2, 2]]
+    arrival = [(0, 4), (0, 3), (0, 2), (0, 1), (0, 0)]
+    common = dict(world_size=2, reduce_bucket_size=4, arrival=arrival, arrived=4)
+    # Contiguous. Rank 1 (whole 2+2+2+2 = 8): the third 2 reduced [2, 2] (its own), and the
+    # embedding's arrival reduces the last [2, 2]: the buffer of 8 exists.
+    assert stage2_held_before(groups, rank=1, contiguous_gradients=True, **common) == 8
+    # Rank 0 (whole 8, the embedding): no reduction before the embedding's reached it.
+    assert stage2_held_before(groups, rank=0, contiguous_gradients=True, **common) == 0
+    # Not contiguous: rank 1 keeps the four reduced 2s it touches; rank 0 none.
+    assert stage2_held_before(groups, rank=1, contiguous_gradients=False, **common) == 8
+    assert stage2_held_before(groups, rank=0, contiguous_gradients=False, **common) == 0
+    # Bucket 5: the embedding's arrival (8 > 5, over the bucket) still reduces the open
+    # [2, 2] first; a 3rd and 4th arrival of 2 and 2 went in at 4 + 2 > 5: [2,2] then [2,2].
+    five = dict(common, reduce_bucket_size=5)
+    assert stage2_held_before(groups, rank=1, contiguous_gradients=True, **five) == 8
+    # Earlier: after two 2s only, nothing was reduced, and the third 2 (arriving, left
+    # out) reduces the first two on rank 1; uncontiguous, they are kept (2 + 2).
+    early = dict(common, arrived=2)
+    assert stage2_held_before(groups, rank=1, contiguous_gradients=True, **early) == 8
+    assert stage2_held_before(groups, rank=1, contiguous_gradients=False, **early) == 2 + 2
+    # A parameter over the bucket is reduced by the next arrival, whatever its size:
+    # [2, 6, 2], N=2 (12 padded: partitions [0, 6), [6, 12)), bucket 4, arrival 2, 1 (the
+    # 6), 0. The 6's arrival reduced [2] (rank 1's: its buffer, 6 + 2, exists); the 0's
+    # reduces the 6. Uncontiguous, rank 1 keeps both (it touches the 6 from 6 to 8).
+    layout = ([[2, 6, 2]], 2, 1, 4, [(0, 2), (0, 1), (0, 0)], 2)
+    assert stage2_held_before(*layout, contiguous_gradients=True) == 6 + 2
+    assert stage2_held_before(*layout, contiguous_gradients=False) == 2 + 6
+    # Rank 0 touches the 6 (from 2 to 6) and the first 2: reduced with the 6, its buffer
+    # exists (2 + 6); uncontiguous it keeps the 6 only (the first 2 has not arrived).
+    rank0 = ([[2, 6, 2]], 2, 0, 4, [(0, 2), (0, 1), (0, 0)], 2)
+    assert stage2_held_before(*rank0, contiguous_gradients=True) == 2 + 6
+    assert stage2_held_before(*rank0, contiguous_gradients=False) == 6
+    # Which arrival reduces a bucket (every rank alike): the 2s at bucket 4 fill it at the
+    # second and the fourth, so the third and the embedding's arrival reduce; at 5 too.
+    for bucket in (4, 5):
+        assert [reduces_on_arrival(groups, bucket, arrival, i) for i in range(5)] == [
+            False, False, True, False, True,
+        ]  # fmt: skip
+    # At bucket 8 the four 2s share one bucket: only the embedding's arrival reduces it.
+    assert [reduces_on_arrival(groups, 8, arrival, i) for i in range(5)] == [False] * 4 + [True]
+    with pytest.raises(ValueError, match="the next one must exist"):
+        stage2_held_before([[2, 6, 2]], 2, 0, 4, [(0, 2), (0, 1), (0, 0)], 3, True)
 
 
 @pytest.mark.parametrize("stage", [3, 0])

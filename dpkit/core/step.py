@@ -60,6 +60,9 @@ class StepTrace:
     blocks), the gradients stored before it left out and those stored in it kept: the
     embeddings' backward, where a tied embedding's two contributions and their sum are
     alive at once, beside the position embedding's gradient."""
+    params_stored_after_blocks: int | None = None
+    """How many parameters' gradients autograd stored after the repeated blocks' backward
+    (None: no repeated blocks): the embeddings', whose backward comes last."""
     batch: float = 0.0
     """The batch's own bytes (token ids, attention mask, labels), alive the whole step."""
     micro_batch: int = 0

@@ -70,6 +70,7 @@ class _Follow:
         self.after_blocks = False  # the first repeated block's backward has ended
         self.grads_at_blocks_done = 0
         self.after_blocks_high: int | None = None
+        self.stored_after_blocks = 0  # parameters whose gradient was stored after them
 
     def follow(self, tensor: Any) -> bool:
         try:
@@ -95,6 +96,7 @@ class _Follow:
     def store(self, tensor: Any) -> None:
         """Autograd stored ``tensor`` as a parameter's ``.grad``: the strategy's from now."""
         ident = id(tensor.untyped_storage())
+        self.stored_after_blocks += self.after_blocks
         if ident in self.live and ident not in self.stored:
             self.stored.add(ident)
             self.grads += self.live[ident]
@@ -252,6 +254,7 @@ def _run(model: Any, micro_batch: int, seq_len: int, device: str, autocast_dtype
         after_blocks_high=None
         if follow.after_blocks_high is None
         else float(follow.after_blocks_high),
+        params_stored_after_blocks=follow.stored_after_blocks if blocks else None,
         batch=batch_bytes,
         micro_batch=micro_batch,
         seq_len=seq_len,

@@ -198,6 +198,68 @@ def stage2_contiguous_backward(
     return max(peak, (whole if allocated else 0) + pending_large)
 
 
+def stage2_held_before(
+    groups: Sequence[Sequence[int]],
+    world_size: int,
+    rank: int,
+    reduce_bucket_size: int,
+    arrival: Sequence[tuple[int, int]],
+    arrived: int,
+    contiguous_gradients: bool,
+) -> int:
+    """Gradient elements ZeRO-2 holds on ``rank`` once the first ``arrived`` gradients of
+    ``arrival`` went through its buckets and the next one arrived, that next one left
+    out (it is an operator's output until autograd stores it).
+
+    The moment this names: the embeddings' backward after the blocks' (``arrived``: the
+    gradients of every parameter but the leading embeddings). A tied word embedding's
+    two contributions and their sum are alive there (GPT-2 124M: three 147.2 MiB
+    tensors), beside what each rank already holds: with ``contiguous_gradients``, its
+    partition buffer once a reduction reached its partition (the later partitions are
+    reduced first: GPT-2 124M at 4 ranks, 129.2 MiB on ranks 2 and 3); without, the
+    whole gradients of the reduced parameters touching its partition and those waiting
+    in the bucket. The next gradient's arrival first reduces the bucket when it would
+    overflow it (always when the bucket holds a parameter larger than itself, so no such
+    gradient is left waiting).
+    """
+    if not 0 <= arrived < len(arrival):
+        raise ValueError(f"{arrived} gradients arrived of {len(arrival)}: the next one must exist")
+    flags = [touches_partition(numels, world_size, rank) for numels in groups]
+    whole = sum(
+        n for g, f in zip(groups, flags, strict=True) for n, t in zip(g, f, strict=True) if t
+    )
+    allocated = False  # contiguous: the partition buffer exists
+    kept = 0  # not contiguous: reduced gradients kept because they touch the partition
+    bucket: list[tuple[int, bool]] = []
+    for group, index in arrival[: arrived + 1]:
+        numel = groups[group][index]
+        if sum(n for n, _ in bucket) + numel > reduce_bucket_size:
+            allocated = allocated or any(touches for _, touches in bucket)
+            kept += sum(n for n, touches in bucket if touches)
+            bucket = []
+        bucket.append((numel, flags[group][index]))
+    bucket.pop()  # the next one's own gradient: not stored yet
+    if contiguous_gradients:  # the bucket's gradients were copied into the bucket
+        return whole if allocated else 0
+    return kept + sum(n for n, _ in bucket)
+
+
+def reduces_on_arrival(
+    groups: Sequence[Sequence[int]],
+    reduce_bucket_size: int,
+    arrival: Sequence[tuple[int, int]],
+    position: int,
+) -> bool:
+    """Whether the gradient at ``arrival[position]`` finds the bucket too full for it, so
+    that its arrival reduces the bucket (the same on every rank)."""
+    bucket = 0
+    for group, index in arrival[: position + 1]:
+        numel = groups[group][index]
+        full = bucket + numel > reduce_bucket_size
+        bucket = numel if full else bucket + numel
+    return full
+
+
 def gradient_high_water(
     groups: Sequence[Sequence[int]],
     *,

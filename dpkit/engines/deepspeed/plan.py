@@ -23,6 +23,8 @@ from dpkit.engines.deepspeed.layout import (
     largest_bucket_fill,
     largest_slice,
     partition_group,
+    reduces_on_arrival,
+    stage2_held_before,
 )
 from dpkit.engines.roles.planned import PlanArithmetic
 
@@ -425,6 +427,34 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
         )
         backward = {"activations": trace.backward_high, "grads_in_bucket": waiting}
     grads_backward = view.grads if view.grads_backward is None else view.grads_backward
+    embeddings: list[PeakPoint] = []
+    before_embeddings = _stage2_before_embeddings(view) if stage == 2 else None
+    if before_embeddings is not None and trace.after_blocks_high is not None:
+        held_before_embeddings, reduced = before_embeddings
+        # The embeddings' backward, after the blocks': what autograd holds there (a tied
+        # embedding's two contributions and their sum) beside the gradients each rank
+        # kept from the blocks' reductions (GPT-2 124M, fp32, 4 ranks, 2 x 128 tokens:
+        # 1164.2 MiB measured on ranks 2 and 3, with 129.2 MiB of partition buffer and
+        # 441.7 of tied-embedding gradients; without this point the plan said 1044.1).
+        # Named as the memory report places it: after the reduction the first embedding
+        # gradient's arrival starts, if it does (GPT-2 124M's position embedding, over
+        # the bucket), else in the backward.
+        embeddings.append(
+            PeakPoint(
+                "gradient reduction" if reduced else "backward",
+                {
+                    **held,
+                    **before,
+                    # A later micro-batch: beside those accumulated so far (the small
+                    # LM of docs/peak.md at 1 x 2, step 2: 362.4 MiB measured, 334.2
+                    # predicted at the reduction without this point).
+                    **accumulated,
+                    **bucket,
+                    "grads": held_before_embeddings,
+                    "activations_and_embedding_grads": trace.after_blocks_high,
+                },
+            )
+        )
     if view.grads_step is None:  # no layout: the paper's gradients and the flat copy
         flatten = {"grads": view.grads, **view.step_parts}
     else:
@@ -436,6 +466,7 @@ def peak_points(stage: int, view: PeakView) -> list[PeakPoint]:
         ),
         *first_micro_batch,
         PeakPoint("backward", {**held, **before, **accumulated, **bucket, **backward}),
+        *embeddings,
         PeakPoint(
             "gradient reduction",
             {
@@ -645,6 +676,51 @@ def offload_peak_points(view: PeakView) -> list[PeakPoint]:
         ),
         PeakPoint("optimizer step", {**held, **view.host_alive(optimizer=True)}),
     ]
+
+
+def _stage2_before_embeddings(view: PeakView) -> tuple[float, bool] | None:
+    """The worst rank's ZeRO-2 gradient bytes at the embeddings' backward
+    (:func:`~dpkit.engines.deepspeed.layout.stage2_held_before`), and whether the first
+    embedding gradient's arrival reduced a bucket; None where the layout is unknown."""
+    spec = view.spec
+    after = view.trace.params_stored_after_blocks
+    if not after or not spec.param_order or "reduce_bucket_size" not in view.settings:
+        return None
+    # Backward stores the embeddings' gradients last: every other one arrived before.
+    arrived = len(spec.param_order) - after
+    groups = spec.param_groups
+    arrival = tuple(spec.param_order[::-1])
+    elements = max(
+        _held_before(
+            groups,
+            view.world_size,
+            rank,
+            int(view.settings["reduce_bucket_size"]),
+            arrival,
+            arrived,
+            bool(view.settings.get("contiguous_gradients", True)),
+        )
+        for rank in range(view.world_size)
+    )
+    bucket = int(view.settings["reduce_bucket_size"])
+    reduced = reduces_on_arrival(groups, bucket, arrival, arrived)
+    return float(dtype_bytes(view.precision) * elements), reduced
+
+
+@functools.lru_cache(maxsize=256)
+def _held_before(
+    groups: tuple[tuple[int, ...], ...],
+    world_size: int,
+    rank: int,
+    reduce_bucket_size: int,
+    arrival: tuple[tuple[int, int], ...],
+    arrived: int,
+    contiguous: bool,
+) -> int:
+    # Cached: the micro-batch search asks for the same layout dozens of times.
+    return stage2_held_before(
+        groups, world_size, rank, reduce_bucket_size, arrival, arrived, contiguous
+    )
 
 
 def _accumulated_gradients(stage: int, view: PeakView) -> float:
