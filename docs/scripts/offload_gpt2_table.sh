@@ -1,5 +1,5 @@
 #!/bin/bash
-# The table of docs/offload.md, "GPT-2 124M: every strategy side by side": GPT-2 124M and
+# The table of docs/offload.md, "GPT-2 124M and 355M: every strategy side by side": GPT-2 124M and
 # 355M (random init, recipes/train_lm.py --size gpt2 / gpt2-medium), synthetic tokens,
 # fp32, micro-batch 2 x 128 tokens, 3 steps, seed 42 (the recipe's default: every run
 # starts from the same weights and reads the same batches), 2 and 4 processes, under
