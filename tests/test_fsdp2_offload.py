@@ -210,7 +210,9 @@ def test_offload_checkpoint_resumes_as_ddp(offload, tmp_path):
         2, *CK_RUN, "--strategy", "ddp", "--micro-batch-size", "16", *LOGS_ONLY,
         "--resume", str(step3(offload)), "--output-dir", str(tmp_path),
     )  # fmt: skip
-    assert_follows(run(cmd, tmp_path).check(), offload, FSDP2_RTOL)
+    resumed = run(cmd, tmp_path).check()
+    assert "as ddp on 2 process(es)" in resumed.output
+    assert_follows(resumed, offload, FSDP2_RTOL)
 
 
 @pytest.mark.multiprocess

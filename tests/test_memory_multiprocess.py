@@ -1,4 +1,6 @@
-"""The memory report of real runs: the recipe under DDP, ZeRO-1 and ZeRO-2 at 2 and 4 CPU processes.
+"""The memory report of real runs: the recipe under DDP, ZeRO-1 and ZeRO-2 at 2 CPU processes,
+ZeRO-1 and ZeRO-2 at 4 (DDP holds a full replica on every rank whatever N: its 2-process
+run is the reference at 4 too).
 
 What ZeRO promises, checked on the measured bytes of every rank (MiniLM, fp32, AdamW)
 against figures derived by hand: parameters 4 Psi everywhere; optimizer state 8 Psi,
@@ -43,6 +45,8 @@ pytestmark = pytest.mark.multiprocess
 MINILM = "sentence-transformers/all-MiniLM-L6-v2"  # the recipe's default model
 
 WORLD_SIZES = (2, 4)
+# (strategy, world size) of the runs: no DDP at 4, whose per-rank bytes are those at 2.
+RUNS = [("ddp", 2), ("zero1", 2), ("zero2", 2), ("zero1", 4), ("zero2", 4)]
 MICRO_BATCH = 8
 # At 4 processes, two optimizer steps: the first creates the optimizer state, the second is a
 # steady-state step with every buffer in place. No evaluation during training.
@@ -301,14 +305,14 @@ def check_model_states(report: dict, run_dir: Path) -> None:
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero_optimizer_state_is_ddp_divided_by_n(runs, world_size):
-    ddp = runs.report("ddp", world_size)
+    ddp = runs.report("ddp", 2)  # a full replica per rank at any N
     for strategy in ("zero1", "zero2"):
         check_optimizer_sharded(ddp, runs.report(strategy, world_size))
 
 
 @pytest.mark.parametrize("world_size", WORLD_SIZES)
 def test_zero2_gradient_partition_is_ddp_divided_by_n(runs, world_size):
-    ddp = runs.report("ddp", world_size)
+    ddp = runs.report("ddp", 2)  # a full replica per rank at any N
     zero2 = runs.report("zero2", world_size)
     check_zero2_gradients(ddp, zero2, runs.run_dir("zero2", world_size))
 
@@ -333,19 +337,11 @@ def _rank(row: dict) -> int:
     return row["rank"]
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("strategy, world_size", RUNS)
 def test_model_states_match_the_analytic_core_or_the_residual_is_named(runs, strategy, world_size):
     report = runs.report(strategy, world_size)
     assert report["world_size"] == world_size == len(report["ranks"])
     check_model_states(report, runs.run_dir(strategy, world_size))
-
-
-def test_ddp_per_rank_bytes_do_not_depend_on_world_size(runs):
-    totals = {
-        n: {r["model_state_total"] for r in runs.report("ddp", n)["ranks"]} for n in WORLD_SIZES
-    }
-    assert len(set.union(*totals.values())) == 1, totals
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
@@ -376,8 +372,7 @@ def test_saved_report_is_complete(runs, strategy):
 PLAN_TOLERANCE_PCT = 0.1
 
 
-@pytest.mark.parametrize("world_size", WORLD_SIZES)
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2"])
+@pytest.mark.parametrize("strategy, world_size", RUNS)
 def test_plan_predicts_the_measured_model_states(runs, strategy, world_size):
     run_dir = runs.run_dir(strategy, world_size)
     check = assert_plan_matches_report(run_dir, PLAN_TOLERANCE_PCT, PLAN_TOLERANCE_PCT)
