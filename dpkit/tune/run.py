@@ -115,6 +115,12 @@ class _Tuner:
             return f"max trials ({config.max_trials}) measured"
         return ""
 
+    def measure_more(self, trials: list[Trial]) -> None:
+        """Trials a later round brings: added to the progress bar's total, then measured."""
+        self.bar.total += len(trials)
+        self.bar.refresh()
+        self.measure(trials)
+
     def measure(self, trials: list[Trial]) -> None:
         """Run (or reuse) every trial not pruned, one after another."""
         for trial in trials:
@@ -266,22 +272,11 @@ def run_tune(config: TuneConfig, command: str | None = None) -> dict[str, Any]:
         tuner.bar = tqdm(total=len(first), desc="tune", unit="trial", file=sys.stderr)
         try:
             tuner.measure(first)
-            later = tuner.twins_of_what_did_not_fit()
-            tuner.bar.total += len(later)
-            tuner.bar.refresh()
-            tuner.measure(later)
-            fallbacks = tuner.fallbacks_where_nothing_fits()
-            tuner.bar.total += len(fallbacks)
-            tuner.bar.refresh()
-            tuner.measure(fallbacks)
-            later = tuner.twins_of_what_did_not_fit()
-            tuner.bar.total += len(later)
-            tuner.bar.refresh()
-            tuner.measure(later)
-            second = tuner.predict(tuner.second_round())
-            tuner.bar.total += len(second)
-            tuner.bar.refresh()
-            tuner.measure(second)
+            tuner.measure_more(tuner.twins_of_what_did_not_fit())
+            tuner.measure_more(tuner.fallbacks_where_nothing_fits())
+            # The fallbacks' own checkpointed twins, where they did not fit either.
+            tuner.measure_more(tuner.twins_of_what_did_not_fit())
+            tuner.measure_more(tuner.predict(tuner.second_round()))
         except KeyboardInterrupt:
             # The trial that was running is not in the report: it has no figures.
             tuner.stopped = f"stopped by {stop.requested or 'SIGINT'} during a trial"
